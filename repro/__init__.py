@@ -1,0 +1,9 @@
+"""stackfix repros: each crash reproduced minimally, unfixed vs fixed, in child processes.
+
+Add a repro: a module ``repro/<name>.py`` with ``REPROS = [Repro(name=..., summary=...,
+run=<run(fixed, device)>, signatures=(Signature(...),), devices=(...))]``."""
+
+from repro._isolated import IsolatedResult, run_isolated
+from repro._registry import Repro, Signature, WrongResult, discover
+
+__all__ = ["IsolatedResult", "Repro", "Signature", "WrongResult", "discover", "run_isolated"]

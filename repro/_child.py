@@ -1,0 +1,37 @@
+"""Child-process entry: ``python -m repro._child NAME --fixed|--unfixed --device D``.
+
+Runs one repro in this interpreter. An exception is printed and reported on a marker line
+(class names of its MRO and its message) so that the parent can match it exactly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+from repro._registry import DEVICES, EXCEPTION_MARKER, discover
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro._child")
+    parser.add_argument("name")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--fixed", action="store_true")
+    mode.add_argument("--unfixed", action="store_true")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
+    args = parser.parse_args(argv)
+    repro = discover()[args.name]
+    try:
+        repro.run(args.fixed, args.device)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        traceback.print_exc()
+        report = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+        print(EXCEPTION_MARKER + json.dumps(report), file=sys.stderr, flush=True)
+        return 1
+    print(f"REPRO-OK {args.name} {'fixed' if args.fixed else 'unfixed'} {args.device}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Run Python code in a fresh interpreter, so that a crash (SIGSEGV, CUDA illegal memory
+access, a hang) never takes down the caller: the repro runner and the crash tests use this."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IsolatedResult:
+    """What a child interpreter did: its exit code or the signal that killed it, and its output."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool = False
+
+    @property
+    def signal(self) -> int | None:
+        """The signal number that ended the child (None if it exited or timed out)."""
+        if self.returncode is not None and self.returncode < 0:
+            return -self.returncode
+        return None
+
+    @property
+    def signal_name(self) -> str | None:
+        sig = self.signal
+        if sig is None:
+            return None
+        try:
+            return signal.Signals(sig).name
+        except ValueError:
+            return f"SIG{sig}"
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def describe(self) -> str:
+        if self.timed_out:
+            return f"timed out after {self.seconds:.0f}s"
+        if self.signal is not None:
+            return f"killed by {self.signal_name}"
+        return f"exit {self.returncode}"
+
+
+def run_isolated(
+    *,
+    code: str | None = None,
+    module: str | None = None,
+    args: Sequence[str] = (),
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> IsolatedResult:
+    """Run ``python -c code`` or ``python -m module`` with ``args`` in a new process.
+
+    Exactly one of ``code`` and ``module`` is given. ``env`` entries are added to (not
+    replacing) the current environment. A child still running after ``timeout`` seconds is
+    killed with its whole process group and reported as ``timed_out``.
+    """
+    if (code is None) == (module is None):
+        raise ValueError("run_isolated needs exactly one of code= or module=")
+    argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
+    argv += list(args)
+    child_env = dict(os.environ)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    # A child dumping core on SIGSEGV is the expected outcome of a crash repro, not news.
+    child_env.setdefault("PYTHONFAULTHANDLER", "1")
+    if env:
+        child_env.update(env)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env,
+        cwd=cwd,
+        start_new_session=True,  # own process group: a timeout kills its workers too
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        timed_out = True
+    return IsolatedResult(
+        returncode=None if timed_out else proc.returncode,
+        stdout=out,
+        stderr=err,
+        seconds=time.monotonic() - start,
+        timed_out=timed_out,
+    )

@@ -1,0 +1,56 @@
+"""The one CUDA shim of this project: megatron-core's CUDA RNG bookkeeping, on CPU.
+
+Why: megatron-core's ``tensor_parallel.random.CheckpointFunction.forward`` saves the CUDA RNG
+state unconditionally (``_get_all_rng_states`` -> ``_get_cuda_rng_state``) and its backward
+restores it (``_set_cuda_rng_state``), and ``get_cuda_rng_tracker()`` seeds CUDA generators.
+On a machine without CUDA every checkpoint therefore raises before any of the behaviour under
+test runs (see ../shared/FACTS.md, "Crash 2"). The shim replaces exactly those two RNG
+state accessors with CPU-safe ones and installs megatron's own *inference* RNG tracker
+(which keeps no CUDA state). Nothing else of megatron is touched: checkpointing, recompute,
+``make_viewless_tensor`` and the models run as shipped. It is a no-op where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_EMPTY_STATE = torch.empty(0, dtype=torch.uint8)
+
+
+def _get_cuda_rng_state(*args, **kwargs):
+    return _EMPTY_STATE  # no CUDA generator to save
+
+
+def _set_cuda_rng_state(*args, **kwargs):
+    return None  # nothing to restore
+
+
+def install_megatron_cpu_rng_shim(force: bool = False) -> bool:
+    """Make megatron-core's checkpointing runnable on a CPU-only machine.
+
+    Returns True if the shim was installed, False if CUDA is available (no shim needed)
+    unless ``force``. Idempotent. Raises ImportError if megatron-core is not installed.
+    """
+    if torch.cuda.is_available() and not force:
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return True
+
+
+@contextlib.contextmanager
+def megatron_cpu_rng_shim():
+    """Context-managed variant: the original accessors are restored on exit."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+    installed = install_megatron_cpu_rng_shim()
+    try:
+        yield installed
+    finally:
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved

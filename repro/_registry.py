@@ -1,0 +1,135 @@
+"""What a repro declares, how the runner finds them, and how an outcome is matched.
+
+A repro module under ``repro/`` exposes ``REPROS: list[Repro]``. Each Repro names a
+function ``run(fixed: bool, device: str) -> None`` that performs the scenario in-process;
+the runner always calls it in a fresh interpreter (``python -m repro._child``), so a
+segfault or a CUDA fault ends that child only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import pkgutil
+import signal as _signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+DEVICES = ("cpu", "cuda")
+EXCEPTION_MARKER = "REPRO-EXCEPTION "
+
+
+class WrongResult(AssertionError):
+    """Raised by a repro's oracle when the run completed but its result is wrong
+    (e.g. gradients that differ from the reference): the silent variant of a crash."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One acceptable way for the unfixed path to fail.
+
+    ``exception`` matches a class name anywhere in the raised exception's MRO,
+    ``message`` a fragment of its text, ``signal`` the signal that killed the child,
+    ``stderr`` a fragment of the child's stderr (for errors reported asynchronously,
+    such as CUDA faults). Every field given must match. ``devices`` limits where it applies.
+    """
+
+    exception: str | None = None
+    message: str | None = None
+    signal: int | None = None
+    stderr: str | None = None
+    devices: tuple[str, ...] = DEVICES
+
+    def __post_init__(self):
+        if not (self.exception or self.message or self.signal or self.stderr):
+            raise ValueError("a Signature needs at least one of exception, message, signal, stderr")
+        bad = set(self.devices) - set(DEVICES)
+        if bad:
+            raise ValueError(f"unknown devices {sorted(bad)}; allowed: {DEVICES}")
+
+    def describe(self) -> str:
+        parts = []
+        if self.signal:
+            parts.append(_signal.Signals(self.signal).name)
+        if self.exception:
+            parts.append(self.exception)
+        if self.message:
+            parts.append(repr(self.message))
+        if self.stderr:
+            parts.append(f"stderr~{self.stderr!r}")
+        return " ".join(parts)
+
+    def matches(self, result, device: str) -> bool:
+        """True if ``result`` (an IsolatedResult from the child) is this failure."""
+        if device not in self.devices or result.timed_out or result.returncode == 0:
+            return False
+        if self.signal is not None and result.signal != self.signal:
+            return False
+        if self.stderr is not None and self.stderr not in result.stderr:
+            return False
+        if self.exception is not None or self.message is not None:
+            exc = reported_exception(result.stderr)
+            if exc is None:
+                return False
+            if self.exception is not None and self.exception not in exc["types"]:
+                return False
+            if self.message is not None and self.message not in exc["message"]:
+                return False
+        return True
+
+
+def reported_exception(stderr: str) -> dict | None:
+    """The exception the child reported (last marker line), or None."""
+    for line in reversed(stderr.splitlines()):
+        if line.startswith(EXCEPTION_MARKER):
+            return json.loads(line[len(EXCEPTION_MARKER) :])
+    return None
+
+
+@dataclass(frozen=True)
+class Repro:
+    """A crash reproduced minimally: unfixed must fail with one of ``signatures``,
+    fixed must complete (its own oracle raises WrongResult on a wrong answer)."""
+
+    name: str
+    summary: str
+    run: Callable[[bool, str], None]
+    signatures: tuple[Signature, ...]
+    devices: tuple[str, ...] = ("cpu",)
+    requires: tuple[str, ...] = ()  # importable modules the scenario needs
+    timeout: float = 300.0
+    upstream: str = ""  # the upstream issue / PR it comes from
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        bad = set(self.devices) - set(DEVICES)
+        if bad:
+            raise ValueError(f"repro {self.name!r}: unknown devices {sorted(bad)}; allowed: {DEVICES}")
+        if not self.signatures:
+            raise ValueError(f"repro {self.name!r} declares no failure signature")
+
+    def missing_requirements(self) -> list[str]:
+        return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]
+
+    def matching_signature(self, result, device: str) -> Signature | None:
+        for sig in self.signatures:
+            if sig.matches(result, device):
+                return sig
+        return None
+
+
+def discover() -> dict[str, Repro]:
+    """Every Repro declared by a public module of the ``repro`` package, by name."""
+    import repro as package
+
+    found: dict[str, Repro] = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"repro.{info.name}")
+        for r in getattr(module, "REPROS", ()):
+            if r.name in found:
+                raise ValueError(f"repro name {r.name!r} declared twice")
+            found[r.name] = r
+    return found

@@ -1,0 +1,101 @@
+"""The harness itself: isolation of crashes, outcome judging, the runner's CLI contract."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from repro import Repro, Signature, discover, run_isolated
+from repro._registry import EXCEPTION_MARKER
+from repro._runner import judge_fixed, judge_unfixed
+
+pytestmark = pytest.mark.cpu
+
+
+def test_segfault_is_contained_and_reported_as_signal():
+    r = run_isolated(code="import ctypes; ctypes.string_at(0)", timeout=60)
+    assert r.signal == signal.SIGSEGV and r.signal_name == "SIGSEGV"
+    assert not r.ok
+
+
+def test_timeout_kills_child():
+    r = run_isolated(code="import time; time.sleep(60)", timeout=1)
+    assert r.timed_out and r.returncode is None and "timed out" in r.describe()
+
+
+def test_exit_code_and_output_are_returned():
+    r = run_isolated(code="import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)")
+    assert (r.returncode, r.stdout.strip(), r.stderr.strip()) == (3, "out", "err")
+
+
+def test_run_isolated_needs_exactly_one_target():
+    with pytest.raises(ValueError, match="exactly one"):
+        run_isolated()
+    with pytest.raises(ValueError, match="exactly one"):
+        run_isolated(code="pass", module="json")
+
+
+def _exc_stderr(types, message):
+    return "Traceback...\n" + EXCEPTION_MARKER + json.dumps({"types": types, "message": message})
+
+
+def _fake_repro(*sigs):
+    return Repro(name="x", summary="x", run=lambda fixed, device: None, signatures=sigs)
+
+
+def _result(code, stderr=""):
+    from repro._isolated import IsolatedResult
+
+    return IsolatedResult(returncode=code, stdout="", stderr=stderr, seconds=0.1)
+
+
+def test_signature_matches_exception_in_mro_and_message():
+    repro = _fake_repro(Signature(exception="RuntimeError", message="requires an active mesh"))
+    hit = _result(1, _exc_stderr(["SpmdTypeError", "RuntimeError", "Exception"],
+                                 "assert_type(...) requires an active mesh, but no current mesh is set"))
+    assert judge_unfixed(repro, hit, "cpu").status == "reproduced"
+    other = _result(1, _exc_stderr(["ValueError", "Exception"], "requires an active mesh"))
+    assert judge_unfixed(repro, other, "cpu").status == "wrong-failure"
+    assert judge_unfixed(repro, _result(0), "cpu").status == "not-reproduced"
+
+
+def test_signature_by_signal_and_device():
+    repro = _fake_repro(Signature(signal=signal.SIGSEGV, devices=("cpu",)),
+                        Signature(stderr="an illegal memory access", devices=("cuda",)))
+    assert judge_unfixed(repro, _result(-11), "cpu").status == "reproduced"
+    assert judge_unfixed(repro, _result(-11), "cuda").status == "wrong-failure"
+    assert judge_unfixed(repro, _result(1, "CUDA error: an illegal memory access"), "cuda").good
+
+
+def test_fixed_path_must_exit_zero():
+    assert judge_fixed(_result(0)).status == "passed"
+    assert judge_fixed(_result(-11)).status == "failed"
+
+
+def test_bad_declarations_raise_value_error():
+    with pytest.raises(ValueError, match="at least one"):
+        Signature()
+    with pytest.raises(ValueError, match="allowed"):
+        Signature(signal=11, devices=("tpu",))
+    with pytest.raises(ValueError, match="no failure signature"):
+        _fake_repro()
+
+
+def test_every_repro_declares_a_complete_contract():
+    repros = discover()
+    assert {"mesh-recompute", "shared-view-reclaim", "mtp-shape"} <= set(repros)
+    for r in repros.values():
+        assert r.summary and r.signatures and r.devices
+
+
+def test_cli_list_and_bad_arguments():
+    listed = run_isolated(module="repro", args=["--list"], timeout=120)
+    assert listed.ok, listed.stderr
+    for name in discover():
+        assert name in listed.stdout
+    nosuch = run_isolated(module="repro", args=["--only", "nosuch"], timeout=120)
+    assert nosuch.returncode == 2 and "unknown repro 'nosuch'" in nosuch.stderr
+    baddev = run_isolated(module="repro", args=["--device", "tpu"], timeout=120)
+    assert baddev.returncode == 2 and "allowed: cpu, cuda" in baddev.stderr

@@ -1,0 +1,40 @@
+"""The regression contract, written once and instantiated for every repro and device:
+the unfixed path fails with its declared signature, the fixed path completes (and its own
+oracle checks the result, e.g. gradients equal to the reference)."""
+
+from __future__ import annotations
+
+import pytest
+
+from repro import discover
+from repro._runner import judge_fixed, judge_unfixed, run_path
+
+REPROS = discover()
+CASES = [
+    pytest.param(r, device, id=f"{r.name}-{device}",
+                 marks=pytest.mark.cpu if device == "cpu" else pytest.mark.gpu)
+    for r in REPROS.values()
+    for device in r.devices
+]
+
+
+def _skip_if_missing(repro):
+    missing = repro.missing_requirements()
+    if missing:
+        pytest.skip(f"{repro.name} needs {', '.join(missing)} (not installed)")
+
+
+@pytest.mark.parametrize("repro,device", CASES)
+def test_unfixed_path_reproduces_the_crash(repro, device):
+    _skip_if_missing(repro)
+    result = run_path(repro, fixed=False, device=device)
+    outcome = judge_unfixed(repro, result, device)
+    assert outcome.status == "reproduced", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("repro,device", CASES)
+def test_fixed_path_passes(repro, device):
+    _skip_if_missing(repro)
+    result = run_path(repro, fixed=True, device=device)
+    outcome = judge_fixed(result)
+    assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
