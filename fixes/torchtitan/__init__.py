@@ -1,0 +1,11 @@
+"""Fixes for torchtitan-based engines (crash 1: the spmd mesh lost in activation-checkpoint
+recompute). Importing this package needs only torch and spmd_types: nothing here imports
+torchtitan at import time (add new exports as plain imports below; keep torchtitan imports
+inside functions)."""
+
+from fixes.torchtitan.backward_threads import single_threaded_backward  # noqa: F401
+from fixes.torchtitan.mesh_checkpoint import (  # noqa: F401
+    make_checkpoint_wrappers_mesh_preserving,
+    mesh_preserving,
+    mesh_preserving_context_fn,
+)
