@@ -1,0 +1,110 @@
+"""Reading pytest-benchmark JSON (a run, or a committed baseline -- the same format) into the
+figures the gate and the dashboard compare. Standard library only.
+
+Every benchmark here stores in ``extra_info``: ``scenario``, ``strategy``, ``device_kind`` and
+its figures as numbers (``peak_bytes``, ``end_of_backward_bytes``, ``recompute_flops``,
+``step_time_ratio``...). A figure's unit follows from its name's suffix (``UNITS``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IDENTITY_KEYS = ("scenario", "strategy", "device_kind")
+# Suffix -> unit; the first match wins. Figures ending in a MEMORY_SUFFIXES entry are gated.
+UNITS = (("_bytes", "bytes"), ("_flops", "FLOPs"), ("_ratio", "x"), ("_s", "s"))
+MEMORY_SUFFIXES = ("_bytes",)
+
+
+def unit_of(metric: str) -> str:
+    for suffix, unit in UNITS:
+        if metric.endswith(suffix):
+            return unit
+    return ""
+
+
+def is_memory_metric(metric: str) -> bool:
+    return metric.endswith(MEMORY_SUFFIXES)
+
+
+class ResultsError(ValueError):
+    """A results file that is not pytest-benchmark JSON with this suite's extra_info."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One benchmark's figures."""
+
+    scenario: str
+    strategy: str
+    device_kind: str
+    metrics: dict[str, float]
+    name: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.device_kind, self.scenario, self.strategy)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One results file: where it came from, when, at which commit, and its rows."""
+
+    path: str
+    label: str
+    datetime: str
+    rows: list[Row] = field(default_factory=list)
+
+    def by_key(self) -> dict[tuple[str, str, str], Row]:
+        return {row.key: row for row in self.rows}
+
+    @property
+    def device_kinds(self) -> list[str]:
+        return sorted({row.device_kind for row in self.rows})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def row_from_benchmark(bench: dict) -> Row:
+    extra = bench.get("extra_info") or {}
+    name = bench.get("fullname") or bench.get("name") or "?"
+    missing = [k for k in IDENTITY_KEYS if not isinstance(extra.get(k), str) or not extra[k]]
+    if missing:
+        raise ResultsError(f"benchmark {name} has no {', '.join(missing)} in extra_info")
+    metrics = {k: float(v) for k, v in extra.items() if k not in IDENTITY_KEYS and _is_number(v)}
+    return Row(extra["scenario"], extra["strategy"], extra["device_kind"], metrics, name)
+
+
+def run_from_json(data: dict, *, path: str = "") -> Run:
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise ResultsError(f"{path or 'input'}: not pytest-benchmark JSON (no 'benchmarks' list)")
+    rows = [row_from_benchmark(b) for b in data["benchmarks"]]
+    seen: dict[tuple[str, str, str], str] = {}
+    for row in rows:
+        if row.key in seen:
+            raise ResultsError(
+                f"{path or 'input'}: {row.key} is reported twice ({seen[row.key]} and {row.name})"
+            )
+        seen[row.key] = row.name
+    commit = data.get("commit_info") or {}
+    label = str(commit.get("id") or "")[:8]
+    if label and commit.get("dirty"):
+        label += "+dirty"
+    if not label:
+        label = Path(path).stem if path else "run"
+    return Run(path=path, label=label, datetime=str(data.get("datetime") or ""), rows=rows)
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ResultsError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path}: not JSON ({e})") from None
+    return run_from_json(data, path=str(path))

@@ -1,0 +1,177 @@
+"""Unit tests of the baseline gate (python -m benchmarks.gate) on small hand-made results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gate
+from benchmarks._results import ResultsError, run_from_json
+
+pytestmark = pytest.mark.cpu
+
+MiB = 2**20
+
+
+def bench(scenario, strategy, kind="cpu", **metrics):
+    return {
+        "name": f"test_x[{strategy}]",
+        "fullname": f"benchmarks/test_x.py::test_x[{scenario}-{strategy}]",
+        "extra_info": {"scenario": scenario, "strategy": strategy, "device_kind": kind, **metrics},
+    }
+
+
+def results(*benches, commit="0123456789abcdef"):
+    return {"benchmarks": list(benches), "datetime": "2026-11-30T09:00:00",
+            "commit_info": {"id": commit, "dirty": False}}
+
+
+def write(path, data):
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture
+def baseline_dir(tmp_path):
+    d = tmp_path / "baselines"
+    d.mkdir()
+    write(d / "cpu.json", results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB,
+              recompute_flops=1e9),
+    ))
+    return d
+
+
+def run_gate(tmp_path, baseline_dir, data, *extra):
+    return gate.main([write(tmp_path / "run.json", data), "--baseline-dir", str(baseline_dir), *extra])
+
+
+def test_same_figures_pass(tmp_path, baseline_dir, capsys):
+    data = json.loads((baseline_dir / "cpu.json").read_text())
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
+    out = capsys.readouterr().out
+    assert "REGRESSED" not in out and "4 memory figure(s) within 0.50%" in out
+    # the table has the columns the issue asks for
+    assert out.splitlines()[0].split() == [
+        "device", "scenario", "strategy", "metric", "baseline", "now", "delta", "ratio", "verdict"]
+
+
+def test_growth_beyond_tolerance_fails_and_names_the_figure(tmp_path, baseline_dir, capsys):
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=92 * MiB, end_of_backward_bytes=20 * MiB),
+    )
+    assert run_gate(tmp_path, baseline_dir, data, "--tolerance", "0.02") == gate.EXIT_REGRESSION
+    out = capsys.readouterr().out
+    assert "REGRESSED: cpu reclaim/plain [ours] peak_bytes grew +2.00 MiB (1.0222x) > tolerance 2.00%" in out
+
+
+def test_growth_within_tolerance_passes_and_shrink_is_reported(tmp_path, baseline_dir, capsys):
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=int(100 * MiB * (1 + gate.DEFAULT_TOLERANCE / 2)),
+              end_of_backward_bytes=30 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
+    )
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
+    out = capsys.readouterr().out
+    assert "improved" in out and "refresh the baseline" in out
+
+
+def test_tolerance_option_changes_the_verdict(tmp_path, baseline_dir):
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=103 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
+    )
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_REGRESSION
+    assert run_gate(tmp_path, baseline_dir, data, "--tolerance", "0.05") == gate.EXIT_OK
+
+
+def test_non_memory_figures_are_shown_not_gated(tmp_path, baseline_dir, capsys):
+    data = json.loads((baseline_dir / "cpu.json").read_text())
+    data["benchmarks"][1]["extra_info"]["recompute_flops"] = 5e9
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
+    line = next(li for li in capsys.readouterr().out.splitlines() if "recompute_flops" in li)
+    assert line.split()[-1] == "info" and "5.0000" in line
+
+
+def test_missing_baseline_file_says_what_to_do(tmp_path, baseline_dir, capsys):
+    data = results(bench("reclaim/plain", "ours", kind="gpu-h200", peak_bytes=1))
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_INCOMPARABLE
+    err = capsys.readouterr().err
+    assert "no baseline for device kind 'gpu-h200'" in err and "gpu-h200.json" in err and "cp " in err
+
+
+def test_entry_missing_either_way_fails_unless_allowed(tmp_path, baseline_dir, capsys):
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/chunked", "ours", peak_bytes=1 * MiB),
+    )
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_INCOMPARABLE
+    out = capsys.readouterr().out
+    assert "NO BASELINE: cpu reclaim/chunked [ours] peak_bytes has no baseline entry" in out
+    assert "NOT RUN: cpu reclaim/plain [ours] peak_bytes is in the baseline but was not run" in out
+    assert run_gate(tmp_path, baseline_dir, data, "--allow-missing") == gate.EXIT_OK
+
+
+def test_baseline_is_picked_per_device_kind(tmp_path, baseline_dir, capsys):
+    write(baseline_dir / "gpu-h200.json", results(bench("ac/x", "full", kind="gpu-h200", peak_bytes=10 * MiB)))
+    cpu = json.loads((baseline_dir / "cpu.json").read_text())["benchmarks"]
+    data = results(*cpu, bench("ac/x", "full", kind="gpu-h200", peak_bytes=11 * MiB))
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_REGRESSION
+    out = capsys.readouterr().out
+    assert "REGRESSED: gpu-h200 ac/x [full] peak_bytes" in out
+    assert "REGRESSED: cpu" not in out
+
+
+def test_explicit_baseline_overrides_the_device_kind(tmp_path, baseline_dir):
+    other = write(tmp_path / "other.json", results(
+        bench("reclaim/plain", "none", peak_bytes=200 * MiB, end_of_backward_bytes=80 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=180 * MiB, end_of_backward_bytes=40 * MiB)))
+    data = json.loads((baseline_dir / "cpu.json").read_text())
+    assert run_gate(tmp_path, baseline_dir, data, "--baseline", other) == gate.EXIT_OK
+
+
+def test_github_json_is_custom_smaller_is_better(tmp_path, baseline_dir):
+    data = json.loads((baseline_dir / "cpu.json").read_text())
+    out = tmp_path / "gh.json"
+    run_gate(tmp_path, baseline_dir, data, "--github-json", str(out))
+    entries = json.loads(out.read_text())
+    assert {tuple(sorted(e)) for e in entries} == {("extra", "name", "unit", "value")}
+    assert len({e["name"] for e in entries}) == len(entries) == 5
+    by_name = {e["name"]: e for e in entries}
+    peak = by_name["reclaim/plain [ours] peak_bytes (cpu)"]
+    assert peak["unit"] == "bytes" and peak["value"] == 90 * MiB
+    assert by_name["reclaim/plain [ours] recompute_flops (cpu)"]["unit"] == "FLOPs"
+
+
+def test_bad_inputs_are_reported_not_raised(tmp_path, baseline_dir, capsys):
+    no_extra = {"benchmarks": [{"name": "t", "extra_info": {}}]}
+    assert run_gate(tmp_path, baseline_dir, no_extra) == gate.EXIT_INCOMPARABLE
+    assert "has no scenario, strategy, device_kind in extra_info" in capsys.readouterr().err
+    assert run_gate(tmp_path, baseline_dir, {"benchmarks": []}) == gate.EXIT_INCOMPARABLE
+    assert "no benchmarks in the run" in capsys.readouterr().err
+
+
+def test_duplicate_rows_are_rejected():
+    with pytest.raises(ResultsError, match="reported twice"):
+        run_from_json(results(bench("s", "a", peak_bytes=1), bench("s", "a", peak_bytes=2)))
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 2])
+def test_tolerance_must_be_a_fraction(bad, tmp_path, baseline_dir):
+    with pytest.raises(ValueError, match=r"fraction in \[0, 1\)"):
+        gate.compare([], [], tolerance=bad)
+    with pytest.raises(SystemExit) as exc:
+        run_gate(tmp_path, baseline_dir, results(), "--tolerance", str(bad))
+    assert exc.value.code == 2
+
+
+def test_smallest_strategy_gap_ignores_equal_figures():
+    rows = run_from_json(results(
+        bench("s", "a", peak_bytes=100, end_of_backward_bytes=50),
+        bench("s", "b", peak_bytes=100, end_of_backward_bytes=40),
+        bench("s", "c", peak_bytes=98, end_of_backward_bytes=50))).rows
+    gap, where = gate.smallest_strategy_gap(rows)
+    assert gap == pytest.approx(0.02) and "peak_bytes" in where
