@@ -79,6 +79,7 @@ def run_isolated(
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
+        stdin=subprocess.DEVNULL,  # never the parent's stdin (xdist workers talk over it)
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
