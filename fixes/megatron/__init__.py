@@ -1,0 +1,18 @@
+"""Fixes for megatron-core. Importing this package needs only torch: megatron itself is
+imported inside the functions that patch it."""
+
+from fixes.megatron.reclaim import (
+    ReclaimEvent,
+    apply_recompute_reclaim_patch,
+    recompute_reclaim_events,
+    remove_recompute_reclaim_patch,
+)
+from fixes.megatron.storage import is_storage_exclusive
+
+__all__ = [
+    "ReclaimEvent",
+    "apply_recompute_reclaim_patch",
+    "is_storage_exclusive",
+    "recompute_reclaim_events",
+    "remove_recompute_reclaim_patch",
+]

@@ -1,0 +1,331 @@
+"""Alias-aware recompute reclaim for megatron-core's ``CheckpointFunction.backward``.
+
+The problem (verl #7328; origin verl #5251, Megatron-LM #3221 / #5197): with full recompute,
+MoE's ``unpermute`` left a reference cycle that kept each checkpoint's detached inputs and
+their grads alive until the next step. verl's workaround replaces the backward with a copy
+that ``resize_(0)``\\ s the storage of every requires-grad input and of its grad once the
+checkpoint's backward is done. A storage is not a tensor, though: when an input is a chunk
+view (made viewless with ``make_viewless_tensor``) of a tensor that another autograd node saved
+for its own, later backward, that node reads freed memory — SIGSEGV on CPU, CUDA illegal memory
+access on GPU. verl's fix skips MTP layers by class name, and so gives that memory back up.
+
+This module *wraps* the installed backward (no copy of its body) and decides per storage:
+
+* the storage only the checkpoint owns (``is_storage_exclusive`` with the checkpoint's private
+  detached copy as the owner, its saved slot accounted for, and no foreign Python reference)
+  is released right after the wrapped backward returns, as verl's reclaim does;
+* any other storage — shared with a chunk sibling or base, saved by another node, or the grad
+  that autograd is about to hand to the previous layer — is deferred. It is re-examined when
+  the backward pass ends (``Variable._execution_engine.queue_callback``: every node of the
+  graph has run and released what it saved): released if by then only the checkpoint's own
+  copies (e.g. a reference cycle around the detached input) still hold it; left alone if a
+  live foreign holder remains (that holder frees it by reference counting once it is gone).
+  Outside a backward pass (no graph task) the deferred check runs at once.
+
+The checkpoint's detached inputs are observed by wrapping ``ctx.run_function`` for the
+duration of the call — the recompute hands them to it — so nothing probes closures or class
+names. Weak references only: deferring never keeps a tensor alive (holding strong ones raised
+peak memory in the H200 measurement, FACTS.md).
+
+Works with any reentrant checkpoint Function whose backward recomputes through
+``ctx.run_function(*detached_inputs)`` and returns ``(None, None, *grads)``: megatron-core's
+``tensor_parallel.random.CheckpointFunction`` (0.16.1, 0.19.2) by default, and PyTorch's
+``torch.utils.checkpoint.CheckpointFunction`` (``use_reentrant=True``) for torch-only tests.
+
+Assumption shared with verl's reclaim: the backward runs with ``retain_graph=False`` (a second
+backward through the same checkpoint would find its inputs released).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from fixes.megatron.storage import is_storage_exclusive, python_refs_beyond, storage_key
+
+__all__ = [
+    "ReclaimEvent",
+    "apply_recompute_reclaim_patch",
+    "installed_reclaim",
+    "recompute_reclaim_events",
+    "remove_recompute_reclaim_patch",
+]
+
+PATCH_KIND = "alias-aware"
+
+
+@dataclass(frozen=True)
+class ReclaimEvent:
+    """One decision of a reclaim: what happened to one storage, and when.
+
+    ``action``: ``released`` (resize_(0) now), ``deferred`` (shared: looked at again at the end
+    of the backward pass), ``released-deferred`` (released then), ``kept`` (a foreign holder
+    still lives at the end of the pass), ``gone`` (nothing of it was alive any more at the end:
+    reference counting freed it). ``role`` is ``input`` or ``grad``.
+    """
+
+    action: str
+    role: str
+    storage: int  # StorageImpl address: compare with fixes.megatron.storage.storage_key
+    nbytes: int
+
+
+_observers: list[list[ReclaimEvent]] = []
+_observers_lock = threading.Lock()
+
+
+@contextmanager
+def recompute_reclaim_events() -> Iterator[list[ReclaimEvent]]:
+    """Collect the ReclaimEvents of every reclaim (any variant) made inside the block."""
+    events: list[ReclaimEvent] = []
+    with _observers_lock:
+        _observers.append(events)
+    try:
+        yield events
+    finally:
+        with _observers_lock:
+            _observers.remove(events)
+
+
+def _emit(action: str, role: str, key: int, nbytes: int) -> None:
+    if _observers:
+        event = ReclaimEvent(action, role, key, nbytes)
+        with _observers_lock:
+            for events in _observers:
+                events.append(event)
+
+
+def release_storage(tensor: torch.Tensor, role: str, action: str = "released") -> None:
+    """``resize_(0)`` the storage of ``tensor`` (every alias of it loses its memory)."""
+    storage = tensor.untyped_storage()
+    if tensor.is_cuda:
+        # The storage may have been allocated on another stream than the one whose queued
+        # kernels (this backward) still read it: keep the block from being reused before
+        # they finish.
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    _emit(action, role, storage._cdata, nbytes)
+
+
+# --- calling the wrapped backward while observing the checkpoint's detached inputs ---------
+
+
+def call_observing_inputs(backward: Callable, ctx, grad_outputs) -> tuple[tuple, tuple]:
+    """Run ``backward(ctx, *grad_outputs)``; return (its result, the args of the recompute).
+
+    The recompute passes the checkpoint's private detached copies of its inputs to
+    ``ctx.run_function``; a pass-through wrapper installed on ``ctx`` for the duration of the
+    call records them. ``()`` if the backward did not recompute through it exactly once.
+    """
+    calls: list[tuple] = []
+    run_function = ctx.run_function
+
+    @functools.wraps(run_function)
+    def observed(*args, **kwargs):
+        calls.append(args)
+        return run_function(*args, **kwargs)
+
+    ctx.run_function = observed
+    try:
+        result = backward(ctx, *grad_outputs)
+    finally:
+        ctx.run_function = run_function
+    return result, (calls[0] if len(calls) == 1 else ())
+
+
+def tensor_args(values) -> list:
+    """Tensors only, in order (saved tensors and recompute args line up once filtered)."""
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+# --- the alias-aware reclaim ------------------------------------------------------------------
+
+
+@dataclass
+class _Deferred:
+    role: str
+    key: int
+    subject: weakref.ref  # the checkpoint input, or the grad it returned
+    copy: weakref.ref | None  # the checkpoint's private detached copy of that input
+
+
+def _weak(t: torch.Tensor | None) -> weakref.ref | None:
+    return None if t is None else weakref.ref(t)
+
+
+def _settle(entry: _Deferred) -> None:
+    """End of the backward pass: release ``entry``'s storage if only the checkpoint holds it."""
+    subject = entry.subject()
+    copy = entry.copy() if entry.copy is not None else None
+    if subject is None and copy is None:
+        _emit("gone", entry.role, entry.key, 0)
+        return
+    live = [t for t in (subject, copy) if t is not None and storage_key(t) == entry.key]
+    if not live:
+        _emit("gone", entry.role, entry.key, 0)
+        return
+    if subject is not None and subject is live[0]:
+        held = [subject]
+        # The grad of a still-alive detached copy is held by that copy's .grad slot: ours.
+        slot = int(entry.role == "grad" and copy is not None and copy.grad is subject)
+        ok = python_refs_beyond(held, 0) == 0 and is_storage_exclusive(
+            subject, owners=live[1:], saved_refs=slot
+        )
+    else:
+        # Only the detached copy is left (e.g. kept by a reference cycle): all its holders are
+        # the checkpoint's own, so only other TensorImpls on the storage count.
+        ok = is_storage_exclusive(live[0], saved_refs=live[0]._use_count())
+    if ok and live[0].untyped_storage().nbytes():
+        release_storage(live[0], entry.role, "released-deferred")
+    elif not ok:
+        _emit("kept", entry.role, entry.key, live[0].untyped_storage().nbytes())
+
+
+def _settle_all(entries: list[_Deferred]) -> None:
+    for entry in entries:
+        _settle(entry)
+    entries.clear()
+
+
+def _at_end_of_backward(entries: list[_Deferred]) -> None:
+    """Run ``_settle_all(entries)`` when the current backward pass has run every node."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_settle_all, entries)
+        )
+    except RuntimeError:
+        # "Final callbacks can only be installed during backward pass": the backward was called
+        # directly, outside a graph task, so no node of a graph can still be waiting to read.
+        _settle_all(entries)
+
+
+def _reclaim(saved: list, copies: list, grads: tuple) -> None:
+    """Decide, for each requires-grad input and its grad, release now or defer."""
+    # Before anything else binds them: foreign Python references to the inputs.
+    foreign_py = [python_refs_beyond(saved, i) for i in range(len(saved))]
+    deferred: list[_Deferred] = []
+    for i in range(len(saved)):
+        if not saved[i].requires_grad:
+            continue  # masks, rotary tables: shared by every layer, never freed (FACTS.md)
+        copy = copies[i] if i < len(copies) else None
+        key = storage_key(saved[i])
+        # saved_refs=1: the checkpoint's own saved slot; the node releases it after we return.
+        if foreign_py[i] == 0 and is_storage_exclusive(
+            saved[i], owners=() if copy is None else (copy,), saved_refs=1
+        ):
+            release_storage(saved[i], "input")
+        else:
+            _emit("deferred", "input", key, saved[i].untyped_storage().nbytes())
+            deferred.append(_Deferred("input", key, weakref.ref(saved[i]), _weak(copy)))
+        grad = grads[i] if i < len(grads) else None
+        if isinstance(grad, torch.Tensor):
+            # Autograd is about to hand it to the previous layer: never now.
+            gkey = storage_key(grad)
+            _emit("deferred", "grad", gkey, grad.untyped_storage().nbytes())
+            deferred.append(_Deferred("grad", gkey, weakref.ref(grad), _weak(copy)))
+    if deferred:
+        _at_end_of_backward(deferred)
+
+
+def _alias_aware(backward: Callable) -> Callable:
+    @functools.wraps(backward)
+    def alias_aware_backward(ctx, *grad_outputs):
+        saved = tensor_args(ctx.saved_tensors)
+        result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
+        copies = tensor_args(recompute_args)
+        # Grads line up with the recompute args; keep those of tensor args only.
+        grads = tuple(
+            g for a, g in zip(recompute_args, result[2:], strict=False)
+            if isinstance(a, torch.Tensor)
+        )
+        if len(copies) == len(saved):
+            _reclaim(saved, copies, grads)
+        del saved, copies, recompute_args, grads
+        return result
+
+    return alias_aware_backward
+
+
+# --- install / undo -----------------------------------------------------------------------------
+
+_MARK = "__stackfix_reclaim__"
+_install_lock = threading.Lock()
+# target class -> (the staticmethod that was there before us, kind of our wrapper)
+_installed: dict[type, tuple[staticmethod, str]] = {}
+
+
+def _default_target() -> type:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return mrandom.CheckpointFunction
+
+
+def install_backward_wrapper(
+    kind: str, make_wrapper: Callable[[Callable], Callable], target: type | None = None
+) -> bool:
+    """Install ``make_wrapper(original_backward)`` on ``target`` (megatron's CheckpointFunction
+    by default). One stackfix reclaim at a time: another one installed first is undone. Returns
+    False if this kind was already installed (idempotent)."""
+    target = _default_target() if target is None else target
+    with _install_lock:
+        current = target.__dict__.get("backward")
+        if target in _installed:
+            if _installed[target][1] == kind and getattr(current.__func__, _MARK, None) == kind:
+                return False
+            _uninstall(target)
+            current = target.__dict__.get("backward")
+        if not isinstance(current, staticmethod):
+            raise TypeError(f"{target.__qualname__}.backward is not a staticmethod; cannot wrap it")
+        wrapper = make_wrapper(current.__func__)
+        setattr(wrapper, _MARK, kind)
+        target.backward = staticmethod(wrapper)
+        _installed[target] = (current, kind)
+        return True
+
+
+def _uninstall(target: type) -> None:
+    original, kind = _installed.pop(target)
+    current = target.__dict__.get("backward")
+    if getattr(getattr(current, "__func__", None), _MARK, None) != kind:
+        raise RuntimeError(
+            f"{target.__qualname__}.backward was replaced after the {kind} reclaim was installed; "
+            "remove that patch first"
+        )
+    target.backward = original
+
+
+def uninstall_backward_wrapper(kind: str, target: type | None = None) -> bool:
+    """Undo ``kind`` on ``target``; False if it was not installed."""
+    target = _default_target() if target is None else target
+    with _install_lock:
+        if target not in _installed or _installed[target][1] != kind:
+            return False
+        _uninstall(target)
+        return True
+
+
+def installed_reclaim(target: type | None = None) -> str | None:
+    """The kind of stackfix reclaim installed on ``target`` (None if none)."""
+    target = _default_target() if target is None else target
+    entry = _installed.get(target)
+    return None if entry is None else entry[1]
+
+
+def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
+    """Install the alias-aware reclaim on megatron-core's ``CheckpointFunction.backward``
+    (or on ``target``, a reentrant checkpoint Function of the same shape). Idempotent:
+    returns False when it was already installed. Replaces a reclaim baseline installed first."""
+    return install_backward_wrapper(PATCH_KIND, _alias_aware, target)
+
+
+def remove_recompute_reclaim_patch(target: type | None = None) -> bool:
+    """Restore the backward that ``apply_recompute_reclaim_patch`` wrapped. Returns False when
+    the patch was not installed."""
+    return uninstall_backward_wrapper(PATCH_KIND, target)
