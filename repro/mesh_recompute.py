@@ -142,6 +142,7 @@ class Cell:
     fix: str
     device: str
     error: dict | None = None
+    main_thread: int = field(default_factory=lambda: threading.main_thread().ident)
     forward_thread: int | None = None
     backward_caller: int | None = None
     recompute: list = field(default_factory=list)  # probe calls during backward
