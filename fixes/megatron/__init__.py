@@ -1,6 +1,11 @@
 """Fixes for megatron-core. Importing this package needs only torch: megatron itself is
 imported inside the functions that patch it."""
 
+from fixes.megatron.mtp_postprocess import (
+    apply_mtp_postprocess_patch,
+    remove_mtp_postprocess_patch,
+    wrap_postprocess,
+)
 from fixes.megatron.reclaim import (
     ReclaimEvent,
     apply_recompute_reclaim_patch,
@@ -11,8 +16,11 @@ from fixes.megatron.storage import is_storage_exclusive
 
 __all__ = [
     "ReclaimEvent",
+    "apply_mtp_postprocess_patch",
     "apply_recompute_reclaim_patch",
     "is_storage_exclusive",
     "recompute_reclaim_events",
+    "remove_mtp_postprocess_patch",
     "remove_recompute_reclaim_patch",
+    "wrap_postprocess",
 ]
