@@ -266,6 +266,40 @@ def test_mesh_state_restored_after_retain_graph_and_after_a_failing_recompute(me
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_under_torch_compile(ac, mesh):
+    """torch.compile demands TorchDispatchModes from a non-default context_fn (full AC's
+    nullcontexts are swapped for pass-through modes). A fullgraph region compiles; the typed
+    block (assert_type breaks the graph, so it runs eagerly) keeps the mesh in recompute."""
+    context_fn = PLAIN_AND_FIXED[ac][1]
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def plain(x):
+        return torch.tanh(torch.tanh(x @ w) @ w).sum()
+
+    def checkpointed(x):
+        inner = lambda x: torch.tanh(torch.tanh(x @ w) @ w)  # noqa: E731
+        return checkpoint(inner, x, use_reentrant=False, context_fn=context_fn).sum()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    expected = torch.autograd.grad(plain(x), (x, w))
+    got = torch.autograd.grad(torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(x),
+                              (x, w))
+    assert all(torch.allclose(a, b) for a, b in zip(got, expected, strict=True))
+
+    blocks, x, probe = _blocks(1)
+    reference = _reference_grads(mesh, n=1)
+    compiled = torch.compile(lambda x: _loss(blocks, x, context_fn), backend="aot_eager")
+    with spmd.set_current_mesh(mesh):
+        loss = compiled(x)
+    loss.backward()
+    assert probe.calls[-1]["mesh"] == ["tp"] and len(probe.calls) == 2
+    grads = [p.grad for p in blocks.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True))
+    torch._dynamo.reset()
+
+
+@pytest.mark.cpu
 def test_policy_validation_names_the_allowed_values():
     with pytest.raises(ValueError, match="policy must be one of"):
         mesh_preserving_context_fn(policy=42)
@@ -294,8 +328,8 @@ def _checkpoint_wrapped_model(kind: str):
     return blocks, x, probe
 
 
-def _reference_grads(mesh):
-    blocks, x, _ = _blocks()
+def _reference_grads(mesh, n=N_BLOCKS):
+    blocks, x, _ = _blocks(n)
     with spmd.set_current_mesh(mesh):
         _loss(blocks, x).backward()
     return [p.grad for p in blocks.parameters()] + [x.grad]

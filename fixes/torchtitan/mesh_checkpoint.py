@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
 
 __all__ = [
@@ -177,6 +178,14 @@ class _MeshReentry:
             self._previous.pop().restore_raw()
 
 
+class _PassThroughMode(TorchDispatchMode):
+    """Runs every op unchanged. Under torch.compile, torch requires a non-default context_fn to
+    return TorchDispatchModes; full AC's nullcontexts are swapped for these there."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _under_compile() -> bool:
     """True while torch.compile / AOTAutograd traces the checkpoint. There the recompute is
     part of the compiled backward graph (no Python, so no mesh lookup) and torch requires
@@ -203,6 +212,10 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
     def context_fn_with_mesh():
         forward_ctx, recompute_ctx = context_fn()
         if _under_compile():
+            if not isinstance(forward_ctx, TorchDispatchMode):
+                forward_ctx = _PassThroughMode()
+            if not isinstance(recompute_ctx, TorchDispatchMode):
+                recompute_ctx = _PassThroughMode()
             return forward_ctx, recompute_ctx
         snapshot = _MeshSnapshot.capture() if mesh is None else _MeshSnapshot.of_mesh(mesh)
         if not snapshot.has_mesh:
