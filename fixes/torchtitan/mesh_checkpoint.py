@@ -59,9 +59,9 @@ _MARK = "_stackfix_mesh_preserving"
 def _spmd_tls():
     from spmd_types import _state
 
-    # ``_state._tls.mesh_stack`` is the list every spmd_types release so far pushes meshes on
-    # (0.1.x stores frozensets, 0.2.x MeshEntry tuples); the snapshot copies the list as is,
-    # so it does not depend on what an entry looks like.
+    # ``_state._tls.mesh_stack`` is the list spmd_types pushes meshes on (0.2.3 stores
+    # MeshEntry tuples; an older revision on GitHub stored frozensets). The snapshot copies the
+    # list as is, so it does not depend on what an entry looks like.
     return _state._tls
 
 
