@@ -235,6 +235,20 @@ def test_explicit_mesh_is_entered_in_recompute(mesh):
 
 
 @pytest.mark.cpu
+def test_recompute_uses_the_forward_mesh_not_the_callers(mesh):
+    other = spmd_mesh("dp")  # a different mesh, current on the thread that calls backward
+    log = []
+    fn, _ = _recorder(log)
+    with spmd.set_current_mesh(mesh):
+        loss = checkpoint(fn, torch.randn(4, 16), use_reentrant=False,
+                          context_fn=mesh_preserving_context_fn).sum()
+    with spmd.set_current_mesh(other):
+        loss.backward()
+        assert _mesh_names() == ["dp"]  # the caller's own mesh is back
+    assert [m for _, m in log] == [["tp"], ["tp"]]
+
+
+@pytest.mark.cpu
 def test_mesh_state_restored_after_retain_graph_and_after_a_failing_recompute(mesh):
     log = []
     fn, _ = _recorder(log)
