@@ -200,6 +200,10 @@ def megatron_world(request, tmp_path_factory):
 
     from repro import _megatron_cpu
 
+    buffer_shim = getattr(_megatron_cpu, "install_megatron_cpu_memory_buffer_shim", None)
+    if device == "cpu" and buffer_shim is None:
+        pytest.skip("repro/_megatron_cpu.py has no CPU GlobalMemoryBuffer shim yet "
+                    "(DotProductAttention allocates on torch.cuda.current_device())")
     created_pg = created_mp = False
     if not dist.is_initialized():
         store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
@@ -213,10 +217,6 @@ def megatron_world(request, tmp_path_factory):
         # megatron-core hard-codes CUDA in its RNG tracker and in GlobalMemoryBuffer (used by
         # the local spec's DotProductAttention); the project's one shim module handles both.
         _megatron_cpu.install_megatron_cpu_rng_shim()
-        buffer_shim = getattr(_megatron_cpu, "install_megatron_cpu_memory_buffer_shim", None)
-        if buffer_shim is None:
-            pytest.skip("repro/_megatron_cpu.py has no CPU GlobalMemoryBuffer shim yet "
-                        "(DotProductAttention allocates on torch.cuda.current_device())")
         buffer_shim()
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
