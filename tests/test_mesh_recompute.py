@@ -314,6 +314,14 @@ def test_under_torch_compile(ac, mesh):
 
 
 @pytest.mark.cpu
+def test_capture_fails_loudly_if_spmd_types_moves_its_mesh_stack(monkeypatch):
+    # A release that kept the mesh elsewhere would make the fix a silent no-op; it must raise.
+    monkeypatch.setattr(spmd, "current_mesh", lambda: frozenset())
+    with pytest.raises(RuntimeError, match="needs updating"):
+        mesh_preserving_context_fn()
+
+
+@pytest.mark.cpu
 def test_policy_validation_names_the_allowed_values():
     with pytest.raises(ValueError, match="policy must be one of"):
         mesh_preserving_context_fn(policy=42)

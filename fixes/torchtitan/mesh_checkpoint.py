@@ -79,7 +79,16 @@ class _MeshSnapshot:
 
     @classmethod
     def capture(cls) -> _MeshSnapshot:
+        import spmd_types
+
         spmd_stack = tuple(getattr(_spmd_tls(), "mesh_stack", ()))
+        if not spmd_stack and spmd_types.current_mesh() is not None:
+            # Fail loudly rather than silently stop fixing anything if spmd_types moves it.
+            raise RuntimeError(
+                "spmd_types reports a current mesh that is not in spmd_types._state._tls."
+                f"mesh_stack (spmd_types {getattr(spmd_types, '__version__', '?')}): "
+                "fixes.torchtitan.mesh_checkpoint needs updating for this release"
+            )
         tls = _titan_tls()
         titan = None
         if tls is not None:
