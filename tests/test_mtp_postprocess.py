@@ -200,6 +200,10 @@ def megatron_world(request, tmp_path_factory):
 
     from repro import _megatron_cpu
 
+    if device == "cpu" and torch.cuda.is_available():
+        # megatron's CPU shims are process-wide and only installed where CUDA is absent; on a
+        # CUDA machine the cuda variant of these tests runs instead.
+        pytest.skip("the CPU megatron variant runs on CPU-only machines")
     buffer_shim = getattr(_megatron_cpu, "install_megatron_cpu_memory_buffer_shim", None)
     if device == "cpu" and buffer_shim is None:
         pytest.skip("repro/_megatron_cpu.py has no CPU GlobalMemoryBuffer shim yet "
