@@ -1,7 +1,7 @@
 """Forward ``mhc_multistream`` from GPTModel's postprocess to the MTP block (crash 3).
 
 The data contract on Megatron-LM's ``dev`` branch (the only place mHC exists; no megatron-core
-release through 0.19.2 has it):
+release through 0.19.2 has it; read at dev d48bd6be, 2026-08-21):
 
 - ``TransformerBlock.postprocess_for_layer_schedule`` (megatron/core/transformer/
   transformer_block.py) keeps the pre-contraction streams ``[s, b, n*h]`` when mHC and MTP are
