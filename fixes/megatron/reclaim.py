@@ -162,30 +162,30 @@ def _weak(t: torch.Tensor | None) -> weakref.ref | None:
 
 def _settle(entry: _Deferred) -> None:
     """End of the backward pass: release ``entry``'s storage if only the checkpoint holds it."""
-    subject = entry.subject()
-    copy = entry.copy() if entry.copy is not None else None
-    if subject is None and copy is None:
+    # Exactly one reference of ours to each while the foreign Python references are counted.
+    pair = [entry.subject(), entry.copy() if entry.copy is not None else None]
+    foreign_py = python_refs_beyond(pair, 0) if pair[0] is not None else 0
+    copy = pair[1]
+    # An input shares its storage with its detached copy; a grad does not (its copy's .grad
+    # slot holds it instead).
+    pair = [t if t is not None and storage_key(t) == entry.key else None for t in pair]
+    if pair == [None, None]:
         _emit("gone", entry.role, entry.key, 0)
         return
-    live = [t for t in (subject, copy) if t is not None and storage_key(t) == entry.key]
-    if not live:
-        _emit("gone", entry.role, entry.key, 0)
-        return
-    if subject is not None and subject is live[0]:
-        held = [subject]
-        # The grad of a still-alive detached copy is held by that copy's .grad slot: ours.
-        slot = int(entry.role == "grad" and copy is not None and copy.grad is subject)
-        ok = python_refs_beyond(held, 0) == 0 and is_storage_exclusive(
-            subject, owners=live[1:], saved_refs=slot
-        )
+    if pair[0] is not None:
+        slot = int(entry.role == "grad" and copy is not None and copy.grad is pair[0])
+        owners = () if pair[1] is None else (pair[1],)
+        ok = foreign_py == 0 and is_storage_exclusive(pair[0], owners, saved_refs=slot)
     else:
         # Only the detached copy is left (e.g. kept by a reference cycle): all its holders are
         # the checkpoint's own, so only other TensorImpls on the storage count.
-        ok = is_storage_exclusive(live[0], saved_refs=live[0]._use_count())
-    if ok and live[0].untyped_storage().nbytes():
-        release_storage(live[0], entry.role, "released-deferred")
-    elif not ok:
-        _emit("kept", entry.role, entry.key, live[0].untyped_storage().nbytes())
+        ok = is_storage_exclusive(pair[1], saved_refs=pair[1]._use_count())
+    del copy
+    survivor = pair[0] if pair[0] is not None else pair[1]
+    if not ok:
+        _emit("kept", entry.role, entry.key, survivor.untyped_storage().nbytes())
+    elif survivor.untyped_storage().nbytes():
+        release_storage(survivor, entry.role, "released-deferred")
 
 
 def _settle_all(entries: list[_Deferred]) -> None:

@@ -1,0 +1,363 @@
+"""The alias-aware recompute reclaim (fixes.megatron.reclaim).
+
+Property tests run a Hypothesis batch inside ONE child interpreter per test (a wrong reclaim
+reads freed memory: that must kill a child, not the pytest worker); the child only observes
+storages through weak references (size 0 or expired = released), never by reading them.
+Generated alias graphs: a base ``h``, a random chain of view ops to the checkpoint input, an
+optional ``.data`` alias (make_viewless_tensor), readers that save an alias for a later
+backward, aliases kept alive by the test, and a reference cycle around the checkpoint's
+detached input (the MoE ``unpermute`` leak, Megatron-LM #3221).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint as tcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fixes.megatron import (
+    apply_recompute_reclaim_patch,
+    recompute_reclaim_events,
+    remove_recompute_reclaim_patch,
+)
+from fixes.megatron import reclaim as reclaim_mod
+from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch, remove_unsafe_reclaim_patch
+from repro import run_isolated
+
+TARGET = tcp.CheckpointFunction
+EXAMPLES = int(os.environ.get("STACKFIX_HYPOTHESIS_EXAMPLES", "500"))
+settings.register_profile(
+    "stackfix-reclaim", max_examples=EXAMPLES, deadline=None, derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+VIEW_OPS = {
+    "chunk": lambda t: torch.chunk(t, 2, dim=-1)[-1],
+    "narrow": lambda t: t.narrow(0, 0, max(1, t.shape[0] - 1)),
+    "slice": lambda t: t[:, ::2],
+    "transpose": lambda t: t.t(),
+    "expand": lambda t: t[:1].expand(3, t.shape[1]),
+    "as_strided": lambda t: t.as_strided((2, 2), (1, 1)),
+}
+
+
+class _ViewlessAlias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp):
+        out = torch.empty((1,), dtype=inp.dtype, device=inp.device)
+        out.data = inp.data
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Cycle:
+    """The leak: an object in a reference cycle holding the checkpoint's detached input."""
+
+    def __init__(self, t):
+        self.me, self.t = self, t
+
+
+alias_graphs = st.fixed_dictionaries({
+    "chain": st.lists(st.sampled_from(sorted(VIEW_OPS)), min_size=0, max_size=4),
+    "viewless": st.booleans(),
+    # per chain position (0 = h itself): a reader saving it, created before the checkpoint
+    "readers": st.lists(st.booleans(), min_size=5, max_size=5),
+    "kept": st.lists(st.booleans(), min_size=5, max_size=5),
+    "leak": st.booleans(),
+})
+
+
+def _released(weak_storage) -> bool:
+    if torch.UntypedStorage._expired(weak_storage):
+        return True
+    return torch.UntypedStorage._new_with_weak_ptr(weak_storage).nbytes() == 0
+
+
+def _step(graph, params, x, leaks):
+    """One forward+backward; returns (weak ref of h's storage, kept aliases)."""
+    proj, mix, seg = params
+    h = proj(x)
+    chain = [h]
+    for op in graph["chain"]:
+        chain.append(VIEW_OPS[op](chain[-1]))
+    loss = 0
+    for i, t in enumerate(chain):
+        if graph["readers"][i]:
+            loss = loss + (t * mix).sum()  # MulBackward saves t: a later reader of h's storage
+    inp = _ViewlessAlias.apply(chain[-1]) if graph["viewless"] else chain[-1]
+
+    def segment(t):
+        if graph["leak"] and torch.is_grad_enabled():
+            # the recompute (grad on) builds a cycle around its detached input, as MoE's
+            # unpermute did; gc is off, so it lives on
+            leaks.append(_Cycle(t))
+        return seg(t).tanh()
+
+    out = tcp.checkpoint(segment, inp, use_reentrant=True)
+    kept = [t for i, t in enumerate(chain) if graph["kept"][i]]
+    weak_h = h.untyped_storage()._weak_ref()
+    del h, t, inp, chain
+    (loss + out.square().sum()).backward()
+    return weak_h, kept
+
+
+def _params(device):
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 8).to(device)
+    mix = nn.Parameter(torch.tensor(1.5, device=device))
+    seg = _Elementwise().to(device)
+    return proj, mix, seg
+
+
+class _Elementwise(nn.Module):
+    # shape-agnostic (chains change the shape), with a parameter to get a gradient
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, t):
+        return (t * self.w).sin()
+
+
+def _grads(params):
+    out = []
+    for m in params:
+        for p in ([m] if isinstance(m, nn.Parameter) else m.parameters()):
+            out.append(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
+            p.grad = None
+    return out
+
+
+def check_reclaim_invariants(graph, device="cpu"):
+    """The invariants of one generated graph (runs in the child)."""
+    params = _params(device)
+    x = torch.randn(4, 8, device=device)
+    leaks: list = []
+    remove_recompute_reclaim_patch(TARGET)
+    _step(graph, params, x, leaks)
+    reference = _grads(params)
+    leaks.clear()
+
+    apply_recompute_reclaim_patch(TARGET)
+    try:
+        with recompute_reclaim_events() as events:
+            weak_h, kept = _step(graph, params, x, leaks)
+    finally:
+        remove_recompute_reclaim_patch(TARGET)
+    got = _grads(params)
+    for g, r in zip(got, reference, strict=True):
+        assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), "grads differ from the no-reclaim run"
+
+    n_chain = len(graph["chain"]) + 1
+    has_reader = any(graph["readers"][:n_chain])
+    has_kept = bool(kept)
+    input_events = [e.action for e in events if e.role == "input"]
+    # 1. Never released under a reader that has not run, or under a live outside alias.
+    if has_reader or has_kept:
+        assert input_events[0] == "deferred", input_events
+    # A view input keeps its base alive (another TensorImpl): deferred too. Only a viewless
+    # input with nothing else on its storage is the checkpoint's alone: released right away.
+    if graph["viewless"] and not (has_reader or has_kept):
+        assert input_events == ["released"], input_events
+    # 2. By the end of the pass: released unless the test still holds an alias of it.
+    if has_kept:
+        assert not _released(weak_h), "storage released under a live alias"
+        assert all(t.untyped_storage().nbytes() > 0 for t in kept)
+    else:
+        assert _released(weak_h), f"storage only the checkpoint owned was not released: {events}"
+    # 3. The leak: the cycle's detached input (and its grad) lost their memory all the same.
+    if graph["leak"] and not has_kept:
+        (cycle,) = leaks
+        assert cycle.t.untyped_storage().nbytes() == 0
+        assert cycle.t.grad is None or cycle.t.grad.untyped_storage().nbytes() == 0
+
+
+@settings(settings.get_profile("stackfix-reclaim"))
+@given(alias_graphs)
+def _property_batch_cpu(graph):
+    check_reclaim_invariants(graph, "cpu")
+
+
+@settings(settings.get_profile("stackfix-reclaim"))
+@given(alias_graphs)
+def _property_batch_cuda(graph):
+    check_reclaim_invariants(graph, "cuda")
+
+
+def _run_batch_in_child(device: str, examples: int):
+    code = (
+        f"import gc, sys; gc.disable(); sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import test_recompute_reclaim as t\n"
+        f"t._property_batch_{device}()\n"
+        "print('BATCH-OK')\n"
+    )
+    r = run_isolated(code=code, timeout=600, env={"STACKFIX_HYPOTHESIS_EXAMPLES": str(examples)},
+                     cwd=str(Path(__file__).parent.parent))
+    assert r.ok and "BATCH-OK" in r.stdout, f"{r.describe()}\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.cpu
+def test_generated_alias_graphs_cpu():
+    _run_batch_in_child("cpu", EXAMPLES)
+
+
+@pytest.mark.gpu
+def test_generated_alias_graphs_cuda():
+    _run_batch_in_child("cuda", min(EXAMPLES, 200))
+
+
+@pytest.mark.cpu
+def test_the_batch_catches_the_unsafe_reclaim():
+    # The same invariants must fail when the reclaim is verl's: the child dies or asserts.
+    code = (
+        f"import gc, sys; gc.disable(); sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import test_recompute_reclaim as t\n"
+        "from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch\n"
+        "t.apply_recompute_reclaim_patch = apply_unsafe_reclaim_patch\n"
+        "g = dict(chain=['chunk'], viewless=True, readers=[True] + [False] * 4,"
+        " kept=[False] * 5, leak=False)\n"
+        "t.check_reclaim_invariants(g)\n"
+    )
+    r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent))
+    assert not r.ok and (r.signal is not None or "AssertionError" in r.stderr), r.describe()
+
+
+@pytest.mark.cpu
+def test_leak_cycle_input_is_released_by_end_of_backward():
+    # In-process (no reader, nothing shared: nothing can read freed memory).
+    gc.disable()
+    try:
+        graph = dict(chain=[], viewless=True, readers=[False] * 5, kept=[False] * 5, leak=True)
+        params, x, leaks = _params("cpu"), torch.randn(4, 8), []
+        # Without the reclaim the cycle keeps the memory: the leak the reclaim exists for.
+        # (This first call also lets torch import dynamo under checkpoint(): that import
+        # keeps the calling frame - and with it the input - alive once, a real foreign holder.)
+        _step(graph, params, x, leaks)
+        (cycle,) = leaks
+        assert cycle.t.untyped_storage().nbytes() == 4 * 8 * 4
+        assert cycle.t.grad is not None and cycle.t.grad.untyped_storage().nbytes() == 4 * 8 * 4
+        leaks.clear()
+        apply_recompute_reclaim_patch(TARGET)
+        with recompute_reclaim_events() as events:
+            _step(graph, params, x, leaks)
+        (cycle,) = leaks
+        assert cycle.t.untyped_storage().nbytes() == 0, events  # alive, memory gone
+        assert cycle.t.grad.untyped_storage().nbytes() == 0, events
+        # the input right after its checkpoint; the grad (handed to autograd) at the end
+        assert [e.action for e in events if e.role == "input"] == ["released"]
+        assert [e.action for e in events if e.role == "grad"] == ["deferred", "released-deferred"]
+    finally:
+        remove_recompute_reclaim_patch(TARGET)
+        gc.enable()
+
+
+@pytest.mark.cpu
+def test_deferred_check_runs_at_once_outside_a_backward_pass():
+    # No engine graph task (queue_callback refuses): the deferred entries are settled at once.
+    gc.disable()
+    try:
+        dead = torch.randn(3)
+        subject = weakref.ref(dead)
+        del dead
+        held = torch.randn(3)  # a live name: never released
+        cycle = _Cycle(torch.randn(3))  # only a reference cycle holds the copy: released
+        weak = cycle.t.untyped_storage()._weak_ref()
+        entries = [
+            reclaim_mod._Deferred("input", reclaim_mod.storage_key(held), weakref.ref(held), None),
+            reclaim_mod._Deferred("input", reclaim_mod.storage_key(cycle.t), subject,
+                                  weakref.ref(cycle.t)),
+        ]
+        with recompute_reclaim_events() as events:
+            reclaim_mod._at_end_of_backward(entries)
+        assert [e.action for e in events] == ["kept", "released-deferred"] and not entries
+        assert held.untyped_storage().nbytes() == 12 and _released(weak)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cpu
+def test_patch_is_idempotent_and_undo_restores_the_original():
+    original = TARGET.__dict__["backward"]
+    try:
+        assert apply_recompute_reclaim_patch(TARGET) is True
+        wrapped = TARGET.__dict__["backward"]
+        assert apply_recompute_reclaim_patch(TARGET) is False
+        assert TARGET.__dict__["backward"] is wrapped
+        assert wrapped.__func__.__wrapped__ is original.__func__  # wrapped, not copied
+        assert apply_unsafe_reclaim_patch(TARGET) is True  # replaces ours, one at a time
+        assert TARGET.__dict__["backward"].__func__.__wrapped__ is original.__func__
+        assert remove_recompute_reclaim_patch(TARGET) is False
+        assert remove_unsafe_reclaim_patch(TARGET) is True
+        assert TARGET.__dict__["backward"] is original
+        assert remove_recompute_reclaim_patch(TARGET) is False
+    finally:
+        remove_recompute_reclaim_patch(TARGET)
+        remove_unsafe_reclaim_patch(TARGET)
+    assert TARGET.__dict__["backward"] is original
+
+
+@pytest.mark.cpu
+def test_megatron_patch_is_idempotent_and_undo_restores_the_original():
+    mrandom = pytest.importorskip("megatron.core.tensor_parallel.random",
+                                  reason="megatron-core not installed")
+    cls = mrandom.CheckpointFunction
+    original = cls.__dict__["backward"]
+    try:
+        assert apply_recompute_reclaim_patch() is True
+        assert apply_recompute_reclaim_patch() is False
+        assert cls.__dict__["backward"].__func__.__wrapped__ is original.__func__
+        assert remove_recompute_reclaim_patch() is True
+        assert cls.__dict__["backward"] is original
+    finally:
+        remove_recompute_reclaim_patch()
+
+
+@pytest.mark.cpu
+def test_import_does_not_import_megatron():
+    r = run_isolated(code="import sys, fixes.megatron; assert 'megatron' not in sys.modules")
+    assert r.ok, r.stderr
+
+
+# --- GPU memory-safety oracle (DESIGN.md) -------------------------------------------------------
+
+SANITIZER = shutil.which("compute-sanitizer") or (
+    "/usr/local/cuda/bin/compute-sanitizer"
+    if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None
+)
+
+
+def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [SANITIZER, "--tool", "memcheck", sys.executable, "-m", "repro._child", name, mode,
+         "--device", "cuda"],
+        capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent.parent),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["shared-view-reclaim", "shared-view-reclaim-megatron"])
+def test_compute_sanitizer_memcheck(name):
+    if SANITIZER is None:
+        pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda/bin)")
+    if name.endswith("megatron"):
+        pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    fixed = _memcheck(name, "--fixed")
+    out = fixed.stdout + fixed.stderr
+    assert fixed.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+    unfixed = _memcheck(name, "--unfixed")
+    out = unfixed.stdout + unfixed.stderr
+    assert "ERROR SUMMARY: 0 errors" not in out and "Invalid __global__" in out, out[-4000:]
