@@ -216,6 +216,64 @@ def run_megatron(fixed: bool, device: str) -> None:
     _run(fixed, device, tensor_parallel.random.CheckpointFunction, checkpoint, make_viewless)
 
 
+def run_megatron_mtp(fixed: bool, device: str) -> None:
+    """Probe ``shared-view-reclaim-megatron-mtp``: megatron-core GPT + MTP (local spec, full
+    uniform recompute, world size 1), unsafe reclaim vs the fix, grads against no reclaim.
+
+    Both 0.16.1 and 0.19.2 feed the MTP layer ``torch.chunk(hidden_states, 1 + offset)[offset]``
+    made viewless: a chunk view of the decoder output reaches a checkpoint. Whether anything
+    still reads that storage after the MTP checkpoint's backward decides whether it crashes.
+    CUDA only: on CPU the local attention and the MTP loss tracker allocate on
+    ``torch.cuda.current_device()`` (outside the one RNG shim we allow).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fixes.megatron import recompute_reclaim_events
+
+    setup_megatron(device)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, mtp_num_layers=1,
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        use_cpu_initialization=device == "cpu",
+    )
+    spec = get_gpt_layer_local_spec()
+    torch.manual_seed(0)
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=16,
+        mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False),
+    ).to(device)
+    model.train()
+    b, s = 2, 16
+    ids = torch.randint(0, 128, (b, s), device=device)
+    pos = torch.arange(s, device=device).expand(b, s)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
+    labels = torch.randint(0, 128, (b, s), device=device)
+
+    def step() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(ids, pos, mask, labels=labels).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                if p.grad is not None}
+
+    install_reclaim("none", CheckpointFunction)
+    reference = step()
+    install_reclaim("alias-aware" if fixed else "unsafe", CheckpointFunction)
+    with recompute_reclaim_events() as events:
+        got = step()
+    install_reclaim("none", CheckpointFunction)
+    print("reclaim events:", [(e.action, e.role) for e in events])
+    _check_against_reference(got, reference)
+
+
 _CPU_CRASH = (
     Signature(signal=signal.SIGSEGV, devices=("cpu",)),
     Signature(exception="RuntimeError", message="storage of size 0"),
@@ -246,3 +304,21 @@ REPROS = [
         upstream="verl #7328; verl #5251; Megatron-LM #3221",
     ),
 ]
+
+# A probe, not a regression case: on megatron-core 0.16.1 (CPU, run by hand with the CUDA
+# allocations redirected) the unsafe reclaim did NOT crash GPT + MTP and grads matched. Declared
+# only when asked for, so that an expected "not-reproduced" does not fail the suite:
+#   STACKFIX_MTP_PROBE=1 python -m repro --device cuda --only shared-view-reclaim-megatron-mtp
+if os.environ.get("STACKFIX_MTP_PROBE") == "1":
+    REPROS.append(
+        Repro(
+            name="shared-view-reclaim-megatron-mtp",
+            summary="probe: megatron-core GPT + MTP (local spec, full recompute) with verl's reclaim",
+            run=run_megatron_mtp,
+            signatures=_CPU_CRASH + _CUDA_CRASH,
+            devices=("cuda",),
+            requires=("megatron",),
+            timeout=300.0,
+            upstream="verl #7328",
+        )
+    )
