@@ -51,55 +51,71 @@ def device_kind(device: torch.device | str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class MemoryFigures:
-    """Bytes of one step: the high-water mark, and what is still live when it returns (after
-    backward; parameters and gradients included, the step's own locals gone)."""
+    """One training step's bytes: the high-water mark, what forward leaves live for backward,
+    and what is still live when backward returns (parameters and gradients included)."""
 
     peak_bytes: int
+    after_forward_bytes: int
     end_of_backward_bytes: int
 
     def as_extra_info(self) -> dict[str, int]:
-        return {"peak_bytes": self.peak_bytes, "end_of_backward_bytes": self.end_of_backward_bytes}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "after_forward_bytes": self.after_forward_bytes,
+            "end_of_backward_bytes": self.end_of_backward_bytes,
+        }
+
+
+def _default_backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 def measure_memory(
-    step: Callable[[], object],
+    forward: Callable[[], torch.Tensor],
     *,
     device: torch.device | str,
     track: Iterable[torch.nn.Module | torch.Tensor] = (),
+    backward: Callable[[torch.Tensor], object] = _default_backward,
 ) -> MemoryFigures:
-    """Run ``step()`` once and return its memory figures on ``device``.
+    """Run ``loss = forward()`` then ``backward(loss)`` once and return the bytes on ``device``.
 
-    On CPU only storages created inside ``step`` plus those of ``track`` (modules: their
+    On CPU only storages created inside the step plus those of ``track`` (modules: their
     parameters, buffers and gradients; tensors) are counted; on CUDA everything the caching
-    allocator holds for live tensors on that device is.
+    allocator holds for live tensors on that device is. Run a warm-up step first: lazily
+    built state (caches, the autograd engine's own) would otherwise land in the figures.
+    No other dispatch mode may be active: FlopCounterMode, for one, keeps tensors alive
+    through its module tracker, so FLOPs are counted in a step of their own (``count_flops``).
     """
     device = check_device(device)
     if device.type == "cpu":
-        return _measure_cpu(step, list(track))
-    return _measure_cuda(step, device)
+        from torch.distributed._tools.mem_tracker import MemTracker
 
+        tracker = MemTracker()
+        track = list(track)
+        if track:
+            tracker.track_external(*track)
 
-def _measure_cpu(step, track) -> MemoryFigures:
-    from torch.distributed._tools.mem_tracker import MemTracker
+        def live(kind: str) -> int:
+            return int(tracker.get_tracker_snapshot(kind).get(device, {}).get("Total", 0))
 
-    tracker = MemTracker()
-    if track:
-        tracker.track_external(*track)
-    with tracker:
-        step()
-    cpu = torch.device("cpu")
-    peak = tracker.get_tracker_snapshot("peak").get(cpu, {})
-    now = tracker.get_tracker_snapshot("current").get(cpu, {})
-    return MemoryFigures(int(peak.get("Total", 0)), int(now.get("Total", 0)))
+        with tracker:
+            loss = forward()
+            after_forward = live("current")
+            backward(loss)
+            end = live("current")
+        return MemoryFigures(live("peak"), after_forward, end)
 
-
-def _measure_cuda(step, device) -> MemoryFigures:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    step()
+    loss = forward()
+    torch.cuda.synchronize(device)
+    after_forward = int(torch.cuda.memory_allocated(device))
+    backward(loss)
     torch.cuda.synchronize(device)
     return MemoryFigures(
-        int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.memory_allocated(device))
+        int(torch.cuda.max_memory_allocated(device)),
+        after_forward,
+        int(torch.cuda.memory_allocated(device)),
     )
 
 
@@ -112,7 +128,10 @@ def count_flops(fn: Callable[[], object]) -> int:
     return int(counter.get_total_flops())
 
 
-def backward_flops(forward: Callable[[], torch.Tensor]) -> int:
-    """FLOPs of ``forward().backward()``'s backward pass alone (recompute included)."""
+def backward_flops(
+    forward: Callable[[], torch.Tensor],
+    backward: Callable[[torch.Tensor], object] = _default_backward,
+) -> int:
+    """FLOPs of one step's backward pass alone (checkpoint recompute included)."""
     loss = forward()
-    return count_flops(loss.backward)
+    return count_flops(lambda: backward(loss))

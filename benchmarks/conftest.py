@@ -36,3 +36,10 @@ def pytest_collection_modifyitems(config, items):
     here = Path(__file__).resolve().parent
     ours = [item for item in items if here in Path(str(item.path)).resolve().parents]
     _rules.pytest_collection_modifyitems(config, ours)
+
+
+@pytest.fixture(scope="session")
+def figure_book():
+    from benchmarks._bench import FigureBook
+
+    return FigureBook()

@@ -1,0 +1,169 @@
+"""The recompute-reclaim scenario: a small Megatron-like stack of checkpointed layers run through
+megatron-core's real ``tensor_parallel.checkpoint`` (CheckpointFunction), under each reclaim
+strategy, with and without a chunked MTP-like input.
+
+- ``plain``: ``embed(x) -> L x checkpoint(layer) -> loss``.
+- ``chunked-mtp``: the same, then verl's mHC + MTP shape (verl #7328): the decoder output is
+  projected to two streams ``h``; ``contract = h * mix`` saves ``h`` for its backward; the MTP
+  layer gets ``make_viewless_tensor(torch.chunk(h, 2, -1)[1])`` -- storage shared with ``h`` --
+  through its own checkpoint, whose backward runs before ``contract``'s.
+
+Every layer leaks as MoE's ``unpermute`` did (Megatron-LM #3221, the reason verl reclaims at all,
+verl #5251): its recompute leaves a reference cycle around its detached input, so the input and
+its grad stay allocated after backward unless a reclaim releases their storage.
+
+Strategies (``repro.shared_view_reclaim.install_reclaim`` installs each):
+``none`` (megatron as shipped), ``unsafe`` (verl #5251: ``resize_(0)`` every requires-grad
+input and its grad), ``mtp-skip`` (verl #7328: the same, but not for checkpoints holding a
+``MultiTokenPredictionLayer``), ``ours`` (``fixes.megatron.apply_recompute_reclaim_patch``).
+``unsafe`` on ``chunked-mtp`` frees ``h`` under ``contract``'s backward (SIGSEGV on CPU, illegal
+memory access on CUDA): not applicable, never run in-process -- ``python -m repro --only
+shared-view-reclaim-megatron`` shows that crash in a child process.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+VARIANTS = ("plain", "chunked-mtp")
+STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
+# strategy -> repro.shared_view_reclaim variant name
+_INSTALL = {"none": "none", "unsafe": "unsafe", "mtp-skip": "mtp-skip", "ours": "alias-aware"}
+NOT_APPLICABLE = {
+    ("chunked-mtp", "unsafe"): "n/a: verl's unsafe reclaim frees the chunk's shared storage while "
+    "the decoder's contract still reads it (crash 2: SIGSEGV / CUDA illegal memory access); see "
+    "`python -m repro --only shared-view-reclaim-megatron`",
+}
+SIZES = {"seq": 256, "batch": 2, "hidden": 256, "ffn": 1024, "layers": 4}
+SEED = 0
+
+
+def check(variant: str, strategy: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def megatron_unavailable() -> str | None:
+    try:
+        import megatron.core.tensor_parallel  # noqa: F401
+        import megatron.core.utils  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- any import failure means: cannot run here
+        return f"megatron-core does not import here: {type(e).__name__}: {e}"
+    return None
+
+
+class _Cycle:
+    """The leak: a self-referencing object holding the recompute's detached input (as MoE's
+    unpermute state did); it lives on until the step's leaks are dropped."""
+
+    def __init__(self, t: torch.Tensor):
+        self.me, self.t = self, t
+
+
+class _Layer(nn.Module):
+    def __init__(self, hidden: int, ffn: int, leaks: list):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.leaks = leaks
+
+    def forward(self, x):
+        if torch.is_grad_enabled():  # the recompute (the checkpointed forward runs in no_grad)
+            self.leaks.append(_Cycle(x))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MultiTokenPredictionLayer(_Layer):
+    """An MTP-like layer. The class name is what verl #7328's skip looks for."""
+
+
+@dataclass
+class ReclaimSetup:
+    variant: str
+    strategy: str
+    device: torch.device
+    embed: nn.Linear
+    layers: nn.ModuleList
+    proj: nn.Linear | None
+    mix: nn.Parameter | None
+    mtp: MultiTokenPredictionLayer | None
+    x: torch.Tensor
+    leaks: list = field(default_factory=list)
+
+    @property
+    def track(self):
+        mods = [self.embed, self.layers] + [m for m in (self.proj, self.mtp) if m is not None]
+        return (*mods, *(t for t in (self.mix, self.x) if t is not None))
+
+    def parameters(self):
+        for m in self.track:
+            if isinstance(m, nn.Module):
+                yield from m.parameters()
+        if self.mix is not None:
+            yield self.mix
+
+    def forward(self) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+        from megatron.core.utils import make_viewless_tensor
+
+        self.reset()
+        h = self.embed(self.x)  # fresh each step, as an embedding's output is
+        for layer in self.layers:
+            h = tensor_parallel.checkpoint(layer, False, h)
+        if self.variant == "plain":
+            return h.square().mean()
+        streams = self.proj(h)  # [s, b, 2h]: mHC's multistream
+        contract = streams * self.mix  # saves `streams` for its backward
+        part = make_viewless_tensor(inp=torch.chunk(streams, 2, dim=-1)[1],
+                                    requires_grad=True, keep_graph=True)
+        mtp = tensor_parallel.checkpoint(self.mtp.forward, False, part)
+        return contract.square().mean() + mtp.square().mean()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.backward(self.forward())
+
+    def reset(self) -> None:
+        """Drop the previous step's leaks and grads (so a step's figures are its own)."""
+        for p in self.parameters():
+            p.grad = None
+        self.leaks.clear()
+        gc.collect()
+
+
+def build(variant: str, strategy: str, device: torch.device) -> ReclaimSetup:
+    """The model for ``variant`` with ``strategy``'s reclaim installed on megatron-core's
+    CheckpointFunction (``uninstall()`` after use)."""
+    check(variant, strategy)
+    if (variant, strategy) in NOT_APPLICABLE:
+        raise ValueError(NOT_APPLICABLE[(variant, strategy)])
+    from repro.shared_view_reclaim import install_reclaim, setup_megatron
+
+    setup_megatron(device.type)
+    install_reclaim(_INSTALL[strategy])
+    s = SIZES
+    torch.manual_seed(SEED)
+    leaks: list = []
+    layers = nn.ModuleList(_Layer(s["hidden"], s["ffn"], leaks) for _ in range(s["layers"])).to(device)
+    proj = mix = mtp = None
+    if variant == "chunked-mtp":
+        proj = nn.Linear(s["hidden"], 2 * s["hidden"]).to(device)
+        mix = nn.Parameter(torch.linspace(0.5, 1.5, 2 * s["hidden"], device=device))
+        mtp = MultiTokenPredictionLayer(s["hidden"], s["ffn"], leaks).to(device)
+    embed = nn.Linear(s["hidden"], s["hidden"]).to(device)
+    x = torch.randn(s["seq"], s["batch"], s["hidden"], device=device)
+    return ReclaimSetup(variant, strategy, device, embed, layers, proj, mix, mtp, x, leaks)
+
+
+def uninstall() -> None:
+    from repro.shared_view_reclaim import install_reclaim
+
+    install_reclaim("none")
