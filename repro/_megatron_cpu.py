@@ -1,4 +1,6 @@
-"""The one CUDA shim of this project: megatron-core's CUDA RNG bookkeeping, on CPU.
+"""The one CUDA shim of this project: the two places megatron-core hard-codes CUDA, on CPU.
+
+1. CUDA RNG bookkeeping (``install_megatron_cpu_rng_shim``).
 
 Why: megatron-core's ``tensor_parallel.random.CheckpointFunction.forward`` saves the CUDA RNG
 state unconditionally (``_get_all_rng_states`` -> ``_get_cuda_rng_state``) and its backward
@@ -13,6 +15,8 @@ state accessors with CPU-safe ones and installs megatron's own *inference* RNG t
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 
 import torch
 
@@ -41,6 +45,40 @@ def install_megatron_cpu_rng_shim(force: bool = False) -> bool:
     mrandom._set_cuda_rng_state = _set_cuda_rng_state
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     return True
+
+
+def install_megatron_cpu_memory_buffer_shim(force: bool = False) -> bool:
+    """Let megatron's GlobalMemoryBuffer hand out CPU tensors on a CPU-only machine.
+
+    Returns True if installed (or already installed), False if CUDA is available and not
+    ``force``. Raises ImportError if megatron-core is not installed.
+    """
+    if torch.cuda.is_available() and not force:
+        return False
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    original = GlobalMemoryBuffer.get_tensor
+    if getattr(original, "__stackfix_cpu_shim__", False):
+        return True
+
+    @functools.wraps(original)
+    def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
+        needed = math.prod(tensor_shape)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < needed:
+            self.buffer[(name, dtype)] = torch.empty(needed, dtype=dtype)
+        return original(self, tensor_shape, dtype, name, *args, **kwargs)
+
+    get_tensor.__stackfix_cpu_shim__ = True
+    GlobalMemoryBuffer.get_tensor = get_tensor
+    return True
+
+
+def install_megatron_cpu_shims(force: bool = False) -> bool:
+    """Both shims: what a tiny megatron-core GPT (local spec) needs to run on CPU."""
+    rng = install_megatron_cpu_rng_shim(force)
+    buf = install_megatron_cpu_memory_buffer_shim(force)
+    return rng or buf
 
 
 @contextlib.contextmanager
