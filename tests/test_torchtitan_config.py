@@ -74,10 +74,11 @@ def test_invalid_dp_shard(value):
         TorchtitanEngineConfig(dp_shard=value)
 
 
+@pytest.mark.parametrize("field", ["use_torch_compile", "sequence_parallel"])
 @pytest.mark.parametrize("value", ["yes", 1, None])
-def test_invalid_use_torch_compile(value):
-    with pytest.raises(ValueError, match="use_torch_compile must be True or False"):
-        TorchtitanEngineConfig(use_torch_compile=value)
+def test_invalid_flag(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be True or False"):
+        TorchtitanEngineConfig(**{field: value})
 
 
 @pytest.mark.parametrize("value", [0, -1.0, "1"])
@@ -129,7 +130,8 @@ def test_activation_checkpoint_maps_to_torchtitan_ac_config(mode, cls_name):
 
 
 def test_parallel_sizes_reach_parallelism_config():
-    p = TorchtitanEngineConfig(dp_shard=2, dp_replicate=3, tp=4, cp=5, ep=6).parallelism_config()
+    p = TorchtitanEngineConfig(dp_shard=2, dp_replicate=3, tp=4, cp=5, ep=6, sequence_parallel=False).parallelism_config()
+    assert p.enable_sequence_parallel is False
     assert (
         p.data_parallel_shard_degree,
         p.data_parallel_replicate_degree,

@@ -138,6 +138,9 @@ class TorchtitanEngineConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # torchtitan's enable_sequence_parallel (on by default there): TP shards activations on
+    # the sequence between blocks.
+    sequence_parallel: bool = True
     attn_type: str = "flex"
     spmd_backend: str = "spmd_types"
     activation_checkpoint: str = "selective"
@@ -165,6 +168,8 @@ class TorchtitanEngineConfig:
         _one_of("attn_type", self.attn_type, ATTN_TYPES)
         _one_of("spmd_backend", self.spmd_backend, allowed_spmd_backends())
         _one_of("activation_checkpoint", self.activation_checkpoint, AC_MODES)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if not isinstance(self.use_torch_compile, bool):
             raise ValueError(f"use_torch_compile must be True or False, got {self.use_torch_compile!r}")
         _one_of("mixed_precision_param", self.mixed_precision_param, MIXED_PRECISION_DTYPES)
@@ -226,6 +231,7 @@ class TorchtitanEngineConfig:
             pipeline_parallel_degree=self.pp,
             context_parallel_degree=self.cp,
             expert_parallel_degree=self.ep,
+            enable_sequence_parallel=self.sequence_parallel,
             spmd_backend=self.spmd_backend,
         )
 
@@ -269,8 +275,12 @@ class TorchtitanEngineConfig:
             )
         return OptimizersContainer.Config(param_groups=groups, implementation=opt.implementation)
 
-    def loss_config(self):
-        """The loss config torchtitan's Trainer requires (verl #6231): CrossEntropyLoss."""
+    def loss_config(self, global_vocab_size: int | None = None):
+        """The loss config torchtitan's Trainer requires (verl #6231): CrossEntropyLoss, with
+        the full vocabulary size that the spmd_types loss-parallel path needs at TP > 1 (as
+        torchtitan's config_registry sets it: ``decoder_vocab_size(model_spec)``)."""
         from torchtitan.components.loss import CrossEntropyLoss
 
-        return {"cross_entropy": CrossEntropyLoss.Config}[self.loss]()
+        return {"cross_entropy": CrossEntropyLoss.Config}[self.loss](
+            global_vocab_size=global_vocab_size
+        )

@@ -113,6 +113,46 @@ def _mesh_device_type(device_type: str) -> Iterator[None]:
         parallel_dims.device_type = saved
 
 
+def _skip_fsdp(cfg: TorchtitanEngineConfig, parallel_dims) -> bool:
+    """True where FSDP has nothing to shard and would reject the model: spmd_types with TP > 1
+    and no data-parallel degree. torchtitan's parallelize functions always call
+    ``apply_fsdp_to_decoder``; under spmd_types the TP-parallelized parameters are plain
+    tensors, and ``fully_shard(..., dp_mesh_dims=...)`` on torch < 2.14 rejects them ("all
+    parameters must be DTensors on the full SPMD mesh"; FACTS.md). With dp degree 1 the FSDP
+    step would only install a MixedPrecisionPolicy, so the engine leaves it out."""
+    dp_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    return cfg.spmd_backend == "spmd_types" and cfg.tp > 1 and dp_degree == 1
+
+
+def _parallelize_without_fsdp(spec, model, parallel_dims, tc):
+    """The model's ``parallelize_fn`` minus its FSDP step (see ``_skip_fsdp``). qwen3's takes
+    ``skip_dp=True`` for exactly this; llama3's has no such switch, so its steps before FSDP are
+    called one by one, in its order: validate + TP (``model.parallelize``), AC, compile."""
+    import inspect
+
+    if "skip_dp" in inspect.signature(spec.parallelize_fn).parameters:
+        return spec.parallelize_fn(
+            model,
+            parallel_dims=parallel_dims,
+            training=tc.training,
+            parallelism=tc.parallelism,
+            compile_config=tc.compile,
+            ac_config=tc.activation_checkpoint,
+            dump_folder=tc.dump_folder,
+            skip_dp=True,
+        )
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.full_dtensor import validate_config
+
+    validate_config(parallel_dims, model)
+    model.parallelize(parallel_dims)
+    if tc.activation_checkpoint is not None:
+        tc.activation_checkpoint.build(dump_folder=tc.dump_folder).apply(model)
+    if tc.compile.enable and "model" in tc.compile.components:
+        apply_compile(model, compile_config=tc.compile, parallel_dims=parallel_dims)
+    return model
+
+
 def _named_parameters(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -165,6 +205,7 @@ class TorchtitanEngine:
         from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
         from torchtitan.distributed import utils as dist_utils
+        from torchtitan.models.common.config_utils import decoder_vocab_size
         from torchtitan.tools.utils import set_default_dtype
         from torchtitan.trainer import Trainer
 
@@ -186,7 +227,7 @@ class TorchtitanEngine:
             activation_checkpoint=cfg.ac_config(),
             compile=CompileConfig(enable=cfg.use_torch_compile, components=["model", "loss"]),
             optimizer=cfg.optimizer_config(),
-            loss=cfg.loss_config(),
+            loss=cfg.loss_config(global_vocab_size=decoder_vocab_size(spec)),
             dump_folder=tempfile.gettempdir(),
         )
         tc = self.trainer_config
@@ -202,21 +243,28 @@ class TorchtitanEngine:
         self.model_config = model_config
         with torch.device("meta"), set_default_dtype(TORCH_DTYPE_MAP[tc.training.dtype]):
             model = model_config.build()
-        model = spec.parallelize_fn(
-            model,
-            parallel_dims=self.parallel_dims,
-            training=tc.training,
-            parallelism=tc.parallelism,
-            compile_config=tc.compile,
-            ac_config=tc.activation_checkpoint,
-            dump_folder=tc.dump_folder,
-        )
+        self.fsdp_applied = not _skip_fsdp(cfg, self.parallel_dims)
+        if self.fsdp_applied:
+            model = spec.parallelize_fn(
+                model,
+                parallel_dims=self.parallel_dims,
+                training=tc.training,
+                parallelism=tc.parallelism,
+                compile_config=tc.compile,
+                ac_config=tc.activation_checkpoint,
+                dump_folder=tc.dump_folder,
+            )
+        else:
+            model = _parallelize_without_fsdp(spec, model, self.parallel_dims, tc)
         self.mesh_preserving_wrappers = 0
         if tc.activation_checkpoint is not None and mesh_preserving_recompute:
             self.mesh_preserving_wrappers = make_checkpoint_wrappers_mesh_preserving(model)
+        self.train_context = dist_utils.get_spmd_context(parallel_dims=self.parallel_dims)
         model.to_empty(device=self.device)
         torch.manual_seed(cfg.seed)
-        with torch.no_grad():
+        # Inside the mesh context: without FSDP the TP-sharded parameters are plain tensors,
+        # and torchtitan's init picks each rank's shard by the current spmd mesh.
+        with torch.no_grad(), self.train_context():
             model.init_weights(buffer_device=None)
         model.train()
         self.model = model
@@ -229,7 +277,6 @@ class TorchtitanEngine:
         ).build(model_parts=[model])
         if spec.post_optimizer_build_fn is not None:
             spec.post_optimizer_build_fn(self.optimizers, [model], self.parallel_dims)
-        self.train_context = dist_utils.get_spmd_context(parallel_dims=self.parallel_dims)
 
     # ---- one step --------------------------------------------------------------------------
 

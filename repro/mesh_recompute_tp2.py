@@ -1,0 +1,194 @@
+"""Crash 1, the silent variant: at TP=2 a recompute without the spmd mesh gives wrong gradients.
+
+torchtitan's tensor-parallel collectives go through
+``spmd_redistribute_per_axis(x, current_spmd_mesh(), ...)``, which returns ``x`` unchanged when
+no mesh is current. Selective AC recomputes parts of each block inside ``backward()``; if the
+backward runs after the mesh context (torchtitan's ``train_context``) was left -- as verl did
+before #6950 -- the recomputed activations skip their all-gathers / reduce-scatters. Nothing
+raises; the gradients are wrong (FACTS.md: 36 collectives skipped, sum|grad| 746.048 vs
+746.038).
+
+Setting: real torchtitan llama3 ``debugmodel``, 2 CPU processes on gloo (127.0.0.1 only),
+TP=2, no FSDP sharding, spmd_types backend, SDPA attention, selective AC, fp32, batch 1,
+sequence 16. The oracle compares every local gradient shard with the same model trained
+without AC (reference), both ranks:
+
+- unfixed: forward inside ``engine.train_context()``, ``loss.backward()`` outside it, AC
+  wrappers as torchtitan builds them -> gradients differ -> ``WrongResult`` with the
+  measured difference.
+- fixed: ``TorchtitanEngine.forward_backward_batch`` -> the reference gradients, exactly.
+
+Run one side by hand: ``python -m repro.mesh_recompute_tp2 --fixed`` (or ``--unfixed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+from repro._registry import Repro, Signature, WrongResult
+
+WORLD, SEQ, SEED = 2, 16, 0
+_TIMEOUT = 420.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _grads(engine) -> dict:
+    return {
+        n.replace("._checkpoint_wrapped_module", ""): _local(p.grad).detach().clone()
+        for n, p in engine.model.named_parameters()
+    }
+
+
+def _engine(ac: str, mesh_preserving: bool):
+    from fixes.torchtitan.config import TorchtitanEngineConfig
+    from fixes.torchtitan.engine import TorchtitanEngine
+
+    cfg = TorchtitanEngineConfig(
+        tp=WORLD, dp_shard=1, sequence_parallel=False, attn_type="sdpa", spmd_backend="spmd_types",
+        activation_checkpoint=ac, seed=SEED,
+    )
+    return TorchtitanEngine(
+        cfg, name="llama3", flavor="debugmodel", seq_len=SEQ, device="cpu",
+        mesh_preserving_recompute=mesh_preserving,
+    )
+
+
+def _unfixed_step(engine, batch) -> None:
+    """verl before #6950: the mesh context covers the forward only."""
+    import torch
+
+    mb = batch[0]
+    tokens = mb.tokens
+    gvt = torch.tensor(tokens[:, 1:].numel())
+    with engine.train_context():
+        inputs, labels, extra = engine._prepare(mb)
+        pred = engine.model(inputs, **extra)
+        loss, _ = engine.loss_fn(pred, labels, gvt)
+    loss.backward()  # selective-AC recompute runs here, with no current mesh
+
+
+def worker(fixed: bool, out: str) -> None:
+    """One rank (torchrun-style env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    import torch
+    import torch.distributed as dist
+
+    from fixes.torchtitan.engine import MicroBatch
+
+    dist.init_process_group("gloo")
+    try:
+        g = torch.Generator().manual_seed(SEED)
+        batch = [MicroBatch(torch.randint(0, 2048, (1, SEQ + 1), generator=g))]
+
+        reference = _engine("none", mesh_preserving=True)
+        reference.forward_backward_batch(batch)
+        ref = _grads(reference)
+        del reference
+
+        engine = _engine("selective", mesh_preserving=fixed)
+        if fixed:
+            engine.forward_backward_batch(batch)
+        else:
+            _unfixed_step(engine, batch)
+        got = _grads(engine)
+
+        diff = torch.tensor(max(float((got[k] - ref[k]).abs().max()) for k in ref))
+        sums = torch.tensor(
+            [sum(float(v.abs().sum()) for v in ref.values()), sum(float(v.abs().sum()) for v in got.values())],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(
+                    {"max_abs_diff": float(diff), "sum_abs_grad_ref": float(sums[0]),
+                     "sum_abs_grad": float(sums[1]), "params": len(ref)}, f,
+                )
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fixed: bool, device: str) -> None:
+    if device != "cpu":
+        raise ValueError(f"mesh-recompute-tp2-silent-grad runs on CPU (gloo); got device={device!r}")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="stackfix-tp2-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        procs = []
+        for rank in range(WORLD):
+            env = dict(
+                os.environ,
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                # loopback only: gloo would otherwise pick the interface of the hostname
+                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+            )
+            argv = [sys.executable, "-m", "repro.mesh_recompute_tp2", "--worker",
+                    "--fixed" if fixed else "--unfixed", "--out", out]
+            procs.append(subprocess.Popen(argv, env=env))
+        try:
+            codes = [p.wait(timeout=_TIMEOUT - 20) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(codes):
+            raise RuntimeError(f"a TP rank failed: exit codes {codes} (see stderr above)")
+        with open(out) as f:
+            result = json.load(f)
+    print("TP2-GRADS " + json.dumps(result), flush=True)
+    if result["max_abs_diff"] != 0.0:
+        raise WrongResult(
+            "TP=2 gradients differ from the no-AC reference: max |grad - ref| = "
+            f"{result['max_abs_diff']:.3e}, sum|grad| {result['sum_abs_grad']:.6f} vs "
+            f"{result['sum_abs_grad_ref']:.6f} over {result['params']} local shards per rank"
+        )
+
+
+REPROS = [
+    Repro(
+        name="mesh-recompute-tp2-silent-grad",
+        summary="TP=2 torchtitan llama3, backward outside train_context: recompute skips its "
+        "collectives, gradients silently wrong",
+        run=run,
+        signatures=(Signature(exception="WrongResult", message="TP=2 gradients differ"),),
+        devices=("cpu",),
+        requires=("torchtitan",),
+        timeout=_TIMEOUT,
+        upstream="verl #6950, torchtitan #3565",
+    ),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.mesh_recompute_tp2")
+    side = parser.add_mutually_exclusive_group(required=True)
+    side.add_argument("--fixed", action="store_true")
+    side.add_argument("--unfixed", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.fixed, args.out)
+    else:
+        run(args.fixed, "cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
