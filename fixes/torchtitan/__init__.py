@@ -4,6 +4,13 @@ torchtitan at import time (add new exports as plain imports below; keep torchtit
 inside functions)."""
 
 from fixes.torchtitan.backward_threads import single_threaded_backward  # noqa: F401
+from fixes.torchtitan.config import (  # noqa: F401
+    OptimizerSettings,
+    ParamGroupSettings,
+    TorchtitanEngineConfig,
+)
+from fixes.torchtitan.engine import MicroBatch, StepResult, TorchtitanEngine  # noqa: F401
+from fixes.torchtitan.flavor import derive_name_and_flavor  # noqa: F401
 from fixes.torchtitan.mesh_checkpoint import (  # noqa: F401
     make_checkpoint_wrappers_mesh_preserving,
     mesh_preserving,
