@@ -10,6 +10,7 @@ Kept cheap (2-core CI): seq_len 16, batch 1, three steps; one process group per 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import pytest
 import torch
@@ -230,3 +231,38 @@ def test_gpu_flex_step_on_pool_thread_with_multithreading_on(process_group, ac):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         losses = [pool.submit(engine.train_step, batch).result().loss for _ in range(STEPS)]
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+# ---- the smoke runner --------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_smoke_runner_reports_each_cell_and_fails_on_a_failed_cell(tmp_path):
+    from repro import run_isolated
+
+    out = tmp_path / "rows.json"
+    res = run_isolated(
+        module="fixes.torchtitan.smoke",
+        args=["--attn", "sdpa,flex_flash", "--ac", "none", "--steps", "2", "--json", str(out)],
+        env={"STACKFIX_SMOKE_SEQ_LEN": "8"},
+        timeout=600,
+    )
+    rows = {r["cell"].split()[1]: r for r in json.loads(out.read_text())}
+    assert rows["sdpa"]["status"] == "ok", rows["sdpa"]
+    assert rows["sdpa"]["losses"][1] < rows["sdpa"]["losses"][0]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        pytest.skip("flex_flash is buildable here")
+    assert rows["flex_flash"]["status"] == "failed"
+    assert "cannot build attn_type='flex_flash'" in rows["flex_flash"]["detail"]
+    assert res.returncode == 1 and "1 ok, 1 failed" in res.stdout
+
+
+@pytest.mark.cpu
+def test_smoke_runner_rejects_bad_values_before_running():
+    from repro import run_isolated
+
+    res = run_isolated(module="fixes.torchtitan.smoke", args=["--ac", "partial"], timeout=120)
+    assert res.returncode == 2
+    assert "activation_checkpoint='partial' is not supported; allowed: 'selective', 'full', 'none'" in res.stderr
+    res = run_isolated(module="fixes.torchtitan.smoke", args=["--parallel", "tq=2"], timeout=120)
+    assert res.returncode == 2 and "KEY one of" in res.stderr
