@@ -80,12 +80,6 @@ def test_ours_matches_unsafe_after_backward_without_aliasing(figure_book, device
     assert skip == unsafe
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: ours peaks 1 MiB above verl's reclaim on the leaking plain stack. It defers every "
-    "returned grad to the end of the backward pass, and the leaked detached input's .grad keeps "
-    "each one alive until then; verl clones the grad and frees the leaked one at once. Dropping "
-    "the detached copy's .grad reference after the checkpoint's backward closes the gap (tried "
-    "outside the fix: peaks then equal). strict: passes -> remove this mark."))
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_matches_unsafe_peak_without_aliasing(figure_book, device):
     unsafe = book_figures(figure_book, "plain", "unsafe", device)
@@ -102,10 +96,6 @@ def test_ours_ends_below_mtp_skip_with_chunked_input(figure_book, device):
     assert ours["end_of_backward_bytes"] < skip["end_of_backward_bytes"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: ours peaks 1 MiB above verl's MTP skip on the chunked input, for the same "
-    "deferred-grad reason as test_ours_matches_unsafe_peak_without_aliasing (with the copy's "
-    ".grad dropped: at seq 512: ours 41.24 MB < mtp-skip 42.29 MB). strict: passes -> remove this mark."))
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_peaks_no_higher_than_mtp_skip_with_chunked_input(figure_book, device):
     skip = book_figures(figure_book, "chunked-mtp", "mtp-skip", device)

@@ -14,8 +14,11 @@ This module *wraps* the installed backward (no copy of its body) and decides per
 * the storage only the checkpoint owns (``is_storage_exclusive`` with the checkpoint's private
   detached copy as the owner, its saved slot accounted for, and no foreign Python reference)
   is released right after the wrapped backward returns, as verl's reclaim does;
-* any other storage — shared with a chunk sibling or base, saved by another node, or the grad
-  that autograd is about to hand to the previous layer — is deferred. It is re-examined when
+* the grad the backward returns is never resized (autograd is about to hand it to the previous
+  layer); the detached copy's ``.grad`` slot, its only other holder and what a reference cycle
+  would leak, is emptied instead, so reference counting frees it once autograd is done with it;
+* any other input storage — shared with a chunk sibling or base, or saved by another node —
+  is deferred. It is re-examined when
   the backward pass ends (``Variable._execution_engine.queue_callback``: every node of the
   graph has run and released what it saved): released if by then only the checkpoint's own
   copies (e.g. a reference cycle around the detached input) still hold it; left alone if a
@@ -67,7 +70,9 @@ class ReclaimEvent:
     ``action``: ``released`` (resize_(0) now), ``deferred`` (shared: looked at again at the end
     of the backward pass), ``released-deferred`` (released then), ``kept`` (a foreign holder
     still lives at the end of the pass), ``gone`` (nothing of it was alive any more at the end:
-    reference counting freed it). ``role`` is ``input`` or ``grad``.
+    reference counting freed it), ``dropped`` (a grad: the checkpoint's own reference to it was
+    let go; reference counting frees it once autograd has consumed it). ``role`` is ``input``
+    or ``grad``.
     """
 
     action: str
@@ -152,7 +157,7 @@ def tensor_args(values) -> list:
 class _Deferred:
     role: str
     key: int
-    subject: weakref.ref  # the checkpoint input, or the grad it returned
+    subject: weakref.ref  # the checkpoint input
     copy: weakref.ref | None  # the checkpoint's private detached copy of that input
 
 
@@ -165,22 +170,18 @@ def _settle(entry: _Deferred) -> None:
     # Exactly one reference of ours to each while the foreign Python references are counted.
     pair = [entry.subject(), entry.copy() if entry.copy is not None else None]
     foreign_py = python_refs_beyond(pair, 0) if pair[0] is not None else 0
-    copy = pair[1]
-    # An input shares its storage with its detached copy; a grad does not (its copy's .grad
-    # slot holds it instead).
+    # The input and its detached copy share one storage, unless something swapped it since.
     pair = [t if t is not None and storage_key(t) == entry.key else None for t in pair]
     if pair == [None, None]:
         _emit("gone", entry.role, entry.key, 0)
         return
     if pair[0] is not None:
-        slot = int(entry.role == "grad" and copy is not None and copy.grad is pair[0])
         owners = () if pair[1] is None else (pair[1],)
-        ok = foreign_py == 0 and is_storage_exclusive(pair[0], owners, saved_refs=slot)
+        ok = foreign_py == 0 and is_storage_exclusive(pair[0], owners)
     else:
         # Only the detached copy is left (e.g. kept by a reference cycle): all its holders are
         # the checkpoint's own, so only other TensorImpls on the storage count.
         ok = is_storage_exclusive(pair[1], saved_refs=pair[1]._use_count())
-    del copy
     survivor = pair[0] if pair[0] is not None else pair[1]
     if not ok:
         _emit("kept", entry.role, entry.key, survivor.untyped_storage().nbytes())
@@ -206,8 +207,23 @@ def _at_end_of_backward(entries: list[_Deferred]) -> None:
         _settle_all(entries)
 
 
-def _reclaim(saved: list, copies: list, grads: tuple) -> None:
-    """Decide, for each requires-grad input and its grad, release now or defer."""
+def _drop_grad_slot(copy: torch.Tensor) -> None:
+    """Empty the detached copy's ``.grad`` slot right after the checkpoint's backward.
+
+    The grad the backward returns is that slot's tensor; autograd is about to hand it to the
+    previous layer, so its storage must not be resized now. Its only other holder is the slot
+    itself, which is exactly what leaks when a reference cycle keeps the copy alive
+    (Megatron-LM #3221). With the slot empty, the grad's memory goes by reference counting the
+    moment autograd has consumed it - as early as verl's reclaim frees it, with nothing released
+    under a reader, and no end-of-pass deferral holding the peak up.
+    """
+    grad = copy.grad
+    copy.grad = None
+    _emit("dropped", "grad", storage_key(grad), grad.untyped_storage().nbytes())
+
+
+def _reclaim(saved: list, copies: list) -> None:
+    """For each requires-grad input: release its storage now or defer; drop its grad slot."""
     # Before anything else binds them: foreign Python references to the inputs.
     foreign_py = [python_refs_beyond(saved, i) for i in range(len(saved))]
     deferred: list[_Deferred] = []
@@ -224,12 +240,8 @@ def _reclaim(saved: list, copies: list, grads: tuple) -> None:
         else:
             _emit("deferred", "input", key, saved[i].untyped_storage().nbytes())
             deferred.append(_Deferred("input", key, weakref.ref(saved[i]), _weak(copy)))
-        grad = grads[i] if i < len(grads) else None
-        if isinstance(grad, torch.Tensor):
-            # Autograd is about to hand it to the previous layer: never now.
-            gkey = storage_key(grad)
-            _emit("deferred", "grad", gkey, grad.untyped_storage().nbytes())
-            deferred.append(_Deferred("grad", gkey, weakref.ref(grad), _weak(copy)))
+        if copy is not None and copy.grad is not None:
+            _drop_grad_slot(copy)
     if deferred:
         _at_end_of_backward(deferred)
 
@@ -240,14 +252,9 @@ def _alias_aware(backward: Callable) -> Callable:
         saved = tensor_args(ctx.saved_tensors)
         result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
         copies = tensor_args(recompute_args)
-        # Grads line up with the recompute args; keep those of tensor args only.
-        grads = tuple(
-            g for a, g in zip(recompute_args, result[2:], strict=False)
-            if isinstance(a, torch.Tensor)
-        )
         if len(copies) == len(saved):
-            _reclaim(saved, copies, grads)
-        del saved, copies, recompute_args, grads
+            _reclaim(saved, copies)
+        del saved, copies, recompute_args
         return result
 
     return alias_aware_backward
