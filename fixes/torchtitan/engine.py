@@ -243,6 +243,9 @@ class TorchtitanEngine:
         self.model_config = model_config
         with torch.device("meta"), set_default_dtype(TORCH_DTYPE_MAP[tc.training.dtype]):
             model = model_config.build()
+        # full (unsharded) sizes, to tell TP shards from replicated parameters when no FSDP
+        # DTensor carries the placement (see _tp_total_norm)
+        self._full_numel = {n: p.numel() for n, p in model.named_parameters()}
         self.fsdp_applied = not _skip_fsdp(cfg, self.parallel_dims)
         if self.fsdp_applied:
             model = spec.parallelize_fn(
@@ -362,17 +365,40 @@ class TorchtitanEngine:
         from torchtitan.distributed import utils as dist_utils
 
         params = [p for p in self.model.parameters()]
-        with self.train_context():
-            norm = dist_utils.clip_grad_norm_(
-                params,
-                self.config.max_norm,
-                foreach=True,
-                pp_mesh=None,
-                ep_enabled=self.parallel_dims.ep_enabled,
-            )
+        if self.fsdp_applied:
+            with self.train_context():
+                norm = dist_utils.clip_grad_norm_(
+                    params,
+                    self.config.max_norm,
+                    foreach=True,
+                    pp_mesh=None,
+                    ep_enabled=self.parallel_dims.ep_enabled,
+                )
+        else:
+            norm = self._tp_total_norm()
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.max_norm, norm, foreach=True)
         self.optimizers.step()
         self.optimizers.zero_grad()
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _tp_total_norm(self) -> torch.Tensor:
+        """The global L2 grad norm when parameters are plain local tensors (TP without FSDP):
+        torchtitan's clip_grad_norm_ would take each rank's local norm, so TP ranks would clip
+        by different factors and their replicated parameters drift apart. TP shards' squares
+        are summed over the TP group; replicated parameters count once."""
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for n, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            full = self._full_numel[n.replace("._checkpoint_wrapped_module", "")]
+            if p.numel() < full:
+                sharded += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sharded, group=self.parallel_dims.get_mesh("tp").get_group())
+        return (sharded + replicated).sqrt().float()
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn=None) -> StepResult:
         """zero_grad, forward_backward_batch, optimizer_step."""
