@@ -82,6 +82,8 @@ def test_ours_matches_unsafe_after_backward_without_aliasing(figure_book, device
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_matches_unsafe_peak_without_aliasing(figure_book, device):
+    """And the same peak: the grads it hands back are not kept alive by the leaked detached
+    input's .grad slot (fixes.megatron.reclaim drops that slot, as verl frees it)."""
     unsafe = book_figures(figure_book, "plain", "unsafe", device)
     ours = book_figures(figure_book, "plain", "ours", device)
     assert ours["peak_bytes"] == unsafe["peak_bytes"]
@@ -98,6 +100,7 @@ def test_ours_ends_below_mtp_skip_with_chunked_input(figure_book, device):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_peaks_no_higher_than_mtp_skip_with_chunked_input(figure_book, device):
+    """Safety costs no peak memory over verl's skip: the aliased storage is only deferred."""
     skip = book_figures(figure_book, "chunked-mtp", "mtp-skip", device)
     ours = book_figures(figure_book, "chunked-mtp", "ours", device)
     assert ours["peak_bytes"] <= skip["peak_bytes"]
