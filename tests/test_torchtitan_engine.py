@@ -34,10 +34,20 @@ AC_MODES = ("selective", "full", "none")
 
 
 @pytest.fixture(scope="module")
-def process_group():
-    from repro._spmd_mesh import ensure_process_group
+def process_group(tmp_path_factory):
+    """World size 1 on a FileStore (no port). With CUDA, nccl serves CUDA tensors (FSDP's
+    collectives) and gloo the CPU ones."""
+    import torch.distributed as dist
 
-    ensure_process_group()
+    if dist.is_initialized():
+        return
+    if not torch.cuda.is_available():
+        from repro._spmd_mesh import ensure_process_group
+
+        ensure_process_group()
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
 
 
 def _engine(name, *, ac="selective", attn="sdpa", optimizer=None, device=None, **kw):
