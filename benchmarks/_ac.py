@@ -202,7 +202,7 @@ def build_plain(case: ACCase, device: torch.device) -> ACSetup:
 
 # --- llama3-debugmodel (torchtitan) ------------------------------------------------------
 
-LLAMA = {"flavor": "debugmodel", "batch": 1, "seq": 256}
+LLAMA = {"flavor": "debugmodel", "batch": 1, "seq": 128}
 
 
 def torchtitan_unavailable() -> str | None:
