@@ -11,7 +11,11 @@ import pytest
 pytestmark = pytest.mark.cpu
 
 # the config reads spmd backends / optimizer names from torchtitan (config + components only)
-pytest.importorskip("torchtitan.config", reason="torchtitan is not installed")
+try:
+    import torchtitan.components.optimizer  # noqa: F401
+    import torchtitan.config  # noqa: F401
+except Exception as exc:  # noqa: BLE001 - not installed, or not importable on this torch
+    pytest.skip(f"torchtitan config/components do not import here ({exc})", allow_module_level=True)
 
 from fixes.torchtitan.config import (  # noqa: E402
     AC_MODES,
