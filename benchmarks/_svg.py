@@ -32,7 +32,7 @@ def bar_chart(
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" {FONT}>']
     axis_y = top + len(bars) * (bar_h + gap)
-    for t in _ticks(0, vmax):
+    for t in _ticks(0, vmax, 2):  # three labels: long unit strings must not collide
         x = label_width + plot_w * t / vmax
         out.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#e3e3e3"/>')
         out.append(f'<text x="{x:.1f}" y="{axis_y + 15}" text-anchor="middle" fill="#777">{escape(fmt(t))}</text>')
@@ -63,12 +63,12 @@ def line_chart(
 ) -> str:
     """One line per (name, values by run, colour) over the runs ``x_labels``; gaps for None.
     The y axis spans the data (not from zero): the point is to see a figure move."""
-    left, right, top, bottom = 78, 16, 10, 58
+    left, right, top, bottom = 104, 16, 10, 80
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [v for _, vs, _ in series for v in vs if v is not None]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     pad = (hi - lo) * 0.1 or (abs(hi) * 0.05 or 1.0)
-    lo, hi = lo - pad, hi + pad
+    lo, hi = (max(lo - pad, 0.0) if lo >= 0 else lo - pad), hi + pad
     n = len(x_labels)
 
     def px(i):
@@ -87,14 +87,18 @@ def line_chart(
         x = px(i)
         out.append(f'<text x="{x:.1f}" y="{top + plot_h + 14}" text-anchor="end" fill="#555" '
                    f'transform="rotate(-30 {x:.1f} {top + plot_h + 14})">{escape(label)}</text>')
-    for name, vs, colour in series:
+    # Strategies with equal figures draw the same line: earlier series are drawn first and
+    # wider, so coinciding lines show as nested stripes of every colour instead of the last one.
+    for k, (name, vs, colour) in enumerate(series):
         pts = [(px(i), py(v), v) for i, v in enumerate(vs) if v is not None]
         if len(pts) > 1:
             path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in pts)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            w = 2 + 2.5 * (len(series) - 1 - k)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="{w}" '
+                       f'stroke-linejoin="round" stroke-linecap="round"/>')
         for (x, y, v), label in zip(pts, [x_labels[i] for i, v in enumerate(vs) if v is not None],
                                     strict=True):
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}">'
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}" stroke="#fff">'
                        f'<title>{escape(name)} @ {escape(label)}: {escape(fmt(v))}</title></circle>')
     out.append("</svg>")
     return "".join(out)

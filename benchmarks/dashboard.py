@@ -5,8 +5,8 @@
 Each file is one run (pytest-benchmark JSON, e.g. one per commit). Runs are ordered by their
 timestamp; the newest is "latest". Per device kind and scenario the page shows every figure
 twice: the strategies side by side in the latest run (bars), and each strategy's history over
-the runs (lines). A strategy a scenario does not run (``unsafe`` on the chunked input) shows
-as n/a. Inline SVG and CSS only: no script, no network, no plotting library.
+the runs (lines). A strategy that other variants of a scenario run but this one does not
+(``unsafe`` reclaim on the chunked input: it crashes) shows as n/a. Inline SVG and CSS only: no script, no network, no plotting library.
 """
 
 from __future__ import annotations
@@ -69,10 +69,14 @@ def _strategy_colours(runs: list[Run]) -> dict[str, str]:
 
 def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str]) -> str:
     latest = runs[-1]
+    # Strategies of the whole family (the scenario name before "/"), so one a variant cannot run
+    # (unsafe reclaim on the chunked input) shows there as n/a instead of vanishing.
+    family = scenario.split("/")[0]
     strategies: list[str] = []
     for run in runs:
         for row in run.rows:
-            if (row.device_kind, row.scenario) == (kind, scenario) and row.strategy not in strategies:
+            if (row.device_kind == kind and row.scenario.split("/")[0] == family
+                    and row.strategy not in strategies):
                 strategies.append(row.strategy)
     rows_by_run = [{r.strategy: r for r in run.rows if (r.device_kind, r.scenario) == (kind, scenario)}
                    for run in runs]

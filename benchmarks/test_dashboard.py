@@ -86,3 +86,13 @@ def test_cli_writes_the_page_and_reports_bad_input(tmp_path, capsys):
 def test_render_needs_a_run():
     with pytest.raises(ValueError, match="at least one run"):
         dashboard.render([])
+
+
+def test_a_strategy_of_the_scenario_family_missing_in_a_variant_is_na():
+    html = dashboard.render([run("3333333333", "2026-11-03T00:00:00",
+                                 bench("reclaim/plain", "unsafe", peak_bytes=30 * MiB),
+                                 bench("reclaim/plain", "ours", peak_bytes=30 * MiB),
+                                 bench("reclaim/chunked", "ours", peak_bytes=31 * MiB))])
+    chunked = html.split('<h2 id="cpu-reclaim/chunked"')[1].split("<h2")[0]
+    assert "<tr><td>unsafe</td><td>n/a</td></tr>" in chunked
+    assert ">n/a</text>" in chunked.split("<svg")[1]
