@@ -12,6 +12,7 @@ the runs (lines). A strategy that other variants of a scenario run but this one 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from datetime import UTC, datetime
 from html import escape
@@ -50,6 +51,10 @@ th:first-child,td:first-child{text-align:left} .note{color:#777;font-size:12px}
 """
 
 
+def _anchor(kind: str, scenario: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{kind}-{scenario}")
+
+
 def _metric_sort_key(metric: str):
     return (METRIC_ORDER.index(metric) if metric in METRIC_ORDER else len(METRIC_ORDER), metric)
 
@@ -83,7 +88,7 @@ def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str])
     metrics = sorted({m for rows in rows_by_run for r in rows.values() for m in r.metrics},
                      key=_metric_sort_key)
     latest_rows = rows_by_run[-1]
-    out = [f'<h2 id="{escape(kind)}-{escape(scenario)}">{escape(scenario)} '
+    out = [f'<h2 id="{_anchor(kind, scenario)}">{escape(scenario)} '
            f'<span class="meta">({escape(kind)})</span></h2>']
     if not latest_rows:
         out.append(f'<p class="note">not in the latest run ({escape(latest.label)}).</p>')
@@ -130,7 +135,7 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks") -
                 groups.append((row.device_kind, row.scenario))
     groups.sort()
     latest = runs[-1]
-    toc = " · ".join(f'<a href="#{escape(k)}-{escape(s)}">{escape(s)} ({escape(k)})</a>'
+    toc = " · ".join(f'<a href="#{_anchor(k, s)}">{escape(s)} ({escape(k)})</a>'
                      for k, s in groups)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     head = (f'<h1>{escape(title)}</h1><p class="meta">{len(runs)} run(s), latest '

@@ -37,14 +37,14 @@ NEW = run("2222222222", "2026-11-02T00:00:00",
 
 def test_one_section_per_device_kind_and_scenario_newest_run_is_latest():
     html = dashboard.render([NEW, OLD])  # order of the arguments does not matter
-    assert re.findall(r'<h2 id="([^"]+)"', html) == ["cpu-reclaim/chunked", "gpu-h200-ac/llama3"]
+    assert re.findall(r'<h2 id="([^"]+)"', html) == ["cpu-reclaim-chunked", "gpu-h200-ac-llama3"]
     assert "latest <b>22222222</b>" in html
     assert "latest run (22222222)" in html
 
 
 def test_strategies_side_by_side_with_na_for_a_strategy_the_latest_run_lacks():
     html = dashboard.render([OLD, NEW])
-    section = html.split('<h2 id="cpu-reclaim/chunked"')[1].split("<h2")[0]
+    section = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
     peak_card = section.split("peak memory")[1].split('class="card"')[0]
     bars_svg = peak_card.split("<svg")[1]
     labels = re.findall(r'text-anchor="end" fill="#222">([^<]+)</text>', bars_svg)
@@ -55,7 +55,7 @@ def test_strategies_side_by_side_with_na_for_a_strategy_the_latest_run_lacks():
 
 def test_history_draws_one_point_per_run_and_strategy():
     html = dashboard.render([OLD, NEW])
-    section = html.split('<h2 id="cpu-reclaim/chunked"')[1].split("<h2")[0]
+    section = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
     history = section.split("peak memory")[1].split("history over 2 run(s)")[1]
     points = re.findall(r"<title>([^<]+)</title></circle>", history)
     assert points == ["none @ 11111111: 40.00 MiB", "none @ 22222222: 40.00 MiB",
@@ -93,6 +93,6 @@ def test_a_strategy_of_the_scenario_family_missing_in_a_variant_is_na():
                                  bench("reclaim/plain", "unsafe", peak_bytes=30 * MiB),
                                  bench("reclaim/plain", "ours", peak_bytes=30 * MiB),
                                  bench("reclaim/chunked", "ours", peak_bytes=31 * MiB))])
-    chunked = html.split('<h2 id="cpu-reclaim/chunked"')[1].split("<h2")[0]
+    chunked = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
     assert "<tr><td>unsafe</td><td>n/a</td></tr>" in chunked
     assert ">n/a</text>" in chunked.split("<svg")[1]
