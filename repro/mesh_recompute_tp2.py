@@ -76,7 +76,7 @@ def _unfixed_step(engine, batch) -> None:
     tokens = mb.tokens
     gvt = torch.tensor(tokens[:, 1:].numel())
     with engine.train_context():
-        inputs, labels, extra = engine._prepare(mb)
+        inputs, labels, extra = engine.prepare_micro_batch(mb)
         pred = engine.model(inputs, **extra)
         loss, _ = engine.loss_fn(pred, labels, gvt)
     loss.backward()  # selective-AC recompute runs here, with no current mesh

@@ -283,7 +283,9 @@ class TorchtitanEngine:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def _prepare(self, mb: MicroBatch):
+    def prepare_micro_batch(self, mb: MicroBatch):
+        """(inputs, labels, model kwargs) for one micro-batch, as torchtitan's Trainer prepares
+        them: positions, attention masks for the masked backends, spmd input annotations."""
         if not isinstance(mb, MicroBatch):
             raise ValueError(f"micro-batches must be MicroBatch, got {type(mb).__name__}")
         tokens = mb.tokens.to(self.device)
@@ -346,7 +348,7 @@ class TorchtitanEngine:
         with single_threaded_backward():
             for mb in micro_batches:
                 with self.train_context(), grad_ctx():
-                    inputs, labels, extra = self._prepare(mb)
+                    inputs, labels, extra = self.prepare_micro_batch(mb)
                     pred = self.model(inputs, **extra)
                     out = loss_fn(pred, labels, global_valid_tokens)
                     loss = out[0] if isinstance(out, tuple) else out
