@@ -23,8 +23,9 @@ Repros:
   ``torch.utils.checkpoint.CheckpointFunction`` (same backward shape as megatron's).
 * ``shared-view-reclaim-megatron`` — megatron-core's ``tensor_parallel.checkpoint`` and
   ``make_viewless_tensor``; on CPU through repro/_megatron_cpu.py's RNG shim, unshimmed on CUDA.
-* ``shared-view-reclaim-megatron-mtp`` — probe (CUDA): a real megatron-core GPT + MTP (local
-  spec, full recompute) with the unsafe reclaim. See ``run_megatron_mtp``.
+* ``run_megatron_mtp`` — not a repro but a finding (H200, megatron-core 0.19.2, 2026-11-30): a
+  real GPT + MTP (local spec, full recompute) with the unsafe reclaim does NOT crash and its
+  grads match; ``tests/test_recompute_reclaim.py`` keeps that finding under test.
 """
 
 from __future__ import annotations
@@ -217,8 +218,8 @@ def run_megatron(fixed: bool, device: str) -> None:
 
 
 def run_megatron_mtp(fixed: bool, device: str) -> None:
-    """Probe ``shared-view-reclaim-megatron-mtp``: megatron-core GPT + MTP (local spec, full
-    uniform recompute, world size 1), unsafe reclaim vs the fix, grads against no reclaim.
+    """megatron-core GPT + MTP (local spec, full uniform recompute, world size 1), unsafe reclaim
+    (``fixed=False``) or the fix, grads against no reclaim (WrongResult if they differ).
 
     Both 0.16.1 and 0.19.2 feed the MTP layer ``torch.chunk(hidden_states, 1 + offset)[offset]``
     made viewless: a chunk view of the decoder output reaches a checkpoint. Whether anything
@@ -304,21 +305,3 @@ REPROS = [
         upstream="verl #7328; verl #5251; Megatron-LM #3221",
     ),
 ]
-
-# A probe, not a regression case: on megatron-core 0.16.1 (CPU, run by hand with the CUDA
-# allocations redirected) the unsafe reclaim did NOT crash GPT + MTP and grads matched. Declared
-# only when asked for, so that an expected "not-reproduced" does not fail the suite:
-#   STACKFIX_MTP_PROBE=1 python -m repro --device cuda --only shared-view-reclaim-megatron-mtp
-if os.environ.get("STACKFIX_MTP_PROBE") == "1":
-    REPROS.append(
-        Repro(
-            name="shared-view-reclaim-megatron-mtp",
-            summary="probe: megatron-core GPT + MTP (local spec, full recompute) with verl's reclaim",
-            run=run_megatron_mtp,
-            signatures=_CPU_CRASH + _CUDA_CRASH,
-            devices=("cuda",),
-            requires=("megatron",),
-            timeout=300.0,
-            upstream="verl #7328",
-        )
-    )

@@ -363,3 +363,21 @@ def test_compute_sanitizer_memcheck(name):
     unfixed = _memcheck(name, "--unfixed")
     out = unfixed.stdout + unfixed.stderr
     assert "ERROR SUMMARY: 0 errors" not in out and "Invalid __global__" in out, out[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixed", [False, True], ids=["unsafe-reclaim", "alias-aware"])
+def test_megatron_gpt_mtp_finding_chunked_mtp_input_is_not_read_after_its_backward(fixed):
+    """A recorded finding, kept under test (H200, megatron-core 0.19.2, 2026-11-30): a real
+    GPT + MTP (local spec, full recompute) feeds the MTP layer a viewless torch.chunk of the
+    decoder output, yet verl's unsafe reclaim does NOT crash it and the grads equal the
+    no-reclaim run: nothing reads that storage after the MTP checkpoint's backward. If a
+    megatron-core release makes the unsafe path fail here, promote it to a repro."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    code = (
+        "from repro.shared_view_reclaim import run_megatron_mtp\n"
+        f"run_megatron_mtp({fixed}, 'cuda')\n"
+    )
+    r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent))
+    assert r.ok, f"{r.describe()}\n{r.stderr[-3000:]}"
+    assert "reclaim events:" in r.stdout
