@@ -34,6 +34,7 @@ from fixes.megatron import (
 from fixes.megatron import reclaim as reclaim_mod
 from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch, remove_unsafe_reclaim_patch
 from repro import run_isolated
+from repro.shared_view_reclaim import ViewlessAlias
 
 TARGET = tcp.CheckpointFunction
 EXAMPLES = int(os.environ.get("STACKFIX_HYPOTHESIS_EXAMPLES", "500"))
@@ -50,18 +51,6 @@ VIEW_OPS = {
     "expand": lambda t: t[:1].expand(3, t.shape[1]),
     "as_strided": lambda t: t.as_strided((2, 2), (1, 1)),
 }
-
-
-class _ViewlessAlias(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inp):
-        out = torch.empty((1,), dtype=inp.dtype, device=inp.device)
-        out.data = inp.data
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class _Cycle:
@@ -98,7 +87,7 @@ def _step(graph, params, x, leaks):
     for i, t in enumerate(chain):
         if graph["readers"][i]:
             loss = loss + (t * mix).sum()  # MulBackward saves t: a later reader of h's storage
-    inp = _ViewlessAlias.apply(chain[-1]) if graph["viewless"] else chain[-1]
+    inp = ViewlessAlias.apply(chain[-1]) if graph["viewless"] else chain[-1]
 
     def segment(t):
         if graph["leak"] and torch.is_grad_enabled():
