@@ -91,7 +91,9 @@ def run_from_json(data: dict, *, path: str = "") -> Run:
             )
         seen[row.key] = row.name
     commit = data.get("commit_info") or {}
-    label = str(commit.get("id") or "")[:8]
+    # pytest-benchmark writes id "unknown" where git could not answer (e.g. a copied tree).
+    commit_id = str(commit.get("id") or "")
+    label = "" if commit_id in ("", "unknown") else commit_id[:8]
     if label and commit.get("dirty"):
         label += "+dirty"
     if not label:

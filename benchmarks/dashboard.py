@@ -73,6 +73,8 @@ def _strategy_colours(runs: list[Run]) -> dict[str, str]:
 
 
 def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str]) -> str:
+    # History and "latest" per device kind: a newer GPU run must not blank the CPU sections.
+    runs = [run for run in runs if any(row.device_kind == kind for row in run.rows)]
     latest = runs[-1]
     # Strategies of the whole family (the scenario name before "/"), so one a variant cannot run
     # (unsafe reclaim on the chunked input) shows there as n/a instead of vanishing.

@@ -42,6 +42,25 @@ def test_one_section_per_device_kind_and_scenario_newest_run_is_latest():
     assert "latest run (22222222)" in html
 
 
+def test_latest_and_history_are_per_device_kind():
+    gpu_only = run("3333333333", "2026-11-03T00:00:00",
+                   bench("reclaim/chunked", "ours", kind="gpu-h200", peak_bytes=90 * MiB))
+    html = dashboard.render([OLD, NEW, gpu_only])
+    cpu = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
+    assert "not in the latest run" not in cpu and "latest run (22222222)" in cpu
+    assert "history over 2 run(s)" in cpu and "33333333" not in cpu
+    gpu = html.split('<h2 id="gpu-h200-reclaim-chunked"')[1].split("<h2")[0]
+    assert "latest run (33333333)" in gpu
+
+
+def test_unknown_commit_is_labelled_by_file_name(tmp_path):
+    path = tmp_path / "gpu-h200-abc.json"
+    path.write_text(json.dumps({"benchmarks": [bench("s", "x", peak_bytes=1)],
+                                "datetime": "2026-11-03T00:00:00",
+                                "commit_info": {"id": "unknown", "dirty": False}}))
+    assert dashboard.load_run(str(path)).label == "gpu-h200-abc"
+
+
 def test_strategies_side_by_side_with_na_for_a_strategy_the_latest_run_lacks():
     html = dashboard.render([OLD, NEW])
     section = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
