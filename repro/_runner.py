@@ -48,7 +48,10 @@ def run_path(repro: Repro, fixed: bool, device: str) -> IsolatedResult:
 def _failure_text(result: IsolatedResult) -> str:
     exc = reported_exception(result.stderr)
     if exc is not None:
-        return f"{exc['types'][0]}: {exc['message'][:160]}"
+        message = " ".join(exc["message"].split())  # one table row: no embedded newlines
+        if len(message) > 160:
+            message = message[:159] + "…"
+        return f"{exc['types'][0]}: {message}"
     if result.signal is not None or result.timed_out:
         return result.describe()
     tail = result.stderr.strip().splitlines()[-1:] or [""]

@@ -61,6 +61,13 @@ def test_signature_matches_exception_in_mro_and_message():
     assert judge_unfixed(repro, _result(0), "cpu").status == "not-reproduced"
 
 
+def test_failure_detail_is_one_line():
+    repro = _fake_repro(Signature(exception="RuntimeError"))
+    stderr = _exc_stderr(["SpmdTypeError", "RuntimeError"], "requires an active mesh.\n\n   Use set_mesh()")
+    detail = judge_unfixed(repro, _result(1, stderr), "cpu").detail
+    assert detail == "SpmdTypeError: requires an active mesh. Use set_mesh()"
+
+
 def test_signature_by_signal_and_device():
     repro = _fake_repro(Signature(signal=signal.SIGSEGV, devices=("cpu",)),
                         Signature(stderr="an illegal memory access", devices=("cuda",)))
