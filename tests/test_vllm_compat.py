@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import fixes.vllm as fv
-from repro._isolated import run_isolated
 
 pytestmark = pytest.mark.cpu
 
@@ -150,14 +149,6 @@ def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="NoSuchThing"):
         fv.NoSuchThing  # noqa: B018
 
-
-def test_import_fixes_vllm_does_not_import_vllm():
-    code = (
-        "import sys, fixes.vllm\n"
-        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
-    )
-    result = run_isolated(code=code, timeout=120)
-    assert result.ok, result.stderr
 
 
 def _assert_check_scoped(is_enabled):
