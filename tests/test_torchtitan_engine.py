@@ -276,3 +276,82 @@ def test_smoke_runner_rejects_bad_values_before_running():
     assert "activation_checkpoint='partial' is not supported; allowed: 'selective', 'full', 'none'" in res.stderr
     res = run_isolated(module="fixes.torchtitan.smoke", args=["--parallel", "tq=2"], timeout=120)
     assert res.returncode == 2 and "KEY one of" in res.stderr
+
+
+# --- TP=2 without FSDP: one global grad norm, so replicated parameters stay in lockstep --------
+
+_TP2_CLIP_WORKER = r'''
+import json, sys
+import torch, torch.distributed as dist
+from fixes.torchtitan.config import TorchtitanEngineConfig
+from fixes.torchtitan.engine import MicroBatch, TorchtitanEngine
+
+norm_kind, out_path = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+cfg = TorchtitanEngineConfig(tp=2, dp_shard=1, sequence_parallel=False, attn_type="sdpa",
+                             spmd_backend="spmd_types", activation_checkpoint="selective", seed=0)
+engine = TorchtitanEngine(cfg, name="llama3", flavor="debugmodel", seq_len=16, device="cpu")
+if norm_kind == "per-rank":  # the control: each rank clips by its own local norm
+    engine._tp_total_norm = lambda: torch.nn.utils.get_total_norm(
+        [p.grad for p in engine.model.parameters() if p.grad is not None])
+batch = [MicroBatch(torch.randint(0, 2048, (1, 17), generator=torch.Generator().manual_seed(0)))]
+norms = []
+for _ in range(2):  # max_norm 1.0 < the norm (~4.4): every step clips
+    engine.forward_backward_batch(batch)
+    norms.append(engine.optimizer_step())
+replicated = {n: p.detach().clone() for n, p in engine.model.named_parameters()
+              if p.numel() == engine._full_numel[n.replace("._checkpoint_wrapped_module", "")]}
+gathered = [None, None]
+dist.all_gather_object(gathered, {"norms": norms, "replicated": replicated})
+if dist.get_rank() == 0:
+    a, b = gathered
+    drift = max(float((a["replicated"][k] - b["replicated"][k]).abs().max()) for k in a["replicated"])
+    with open(out_path, "w") as f:
+        json.dump({"norms": [a["norms"], b["norms"]], "replicated": len(a["replicated"]),
+                   "drift": drift}, f)
+dist.destroy_process_group()
+'''
+
+
+def _run_tp2_clip(norm_kind: str, tmp_path) -> dict:
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"{norm_kind}.json"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, str(out)],
+            cwd=str(Path(__file__).parent.parent), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                     OMP_NUM_THREADS="1"),
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("norm_kind", ["engine", "per-rank"])
+def test_tp2_without_fsdp_clips_by_one_global_norm(norm_kind, tmp_path):
+    """TP without FSDP leaves plain local tensors; torchtitan's clip_grad_norm_ would then take
+    each rank's local norm, clip the ranks by different factors, and the replicated parameters
+    (norm weights) would drift apart. The engine's norm is global: equal on both ranks, and the
+    replicated parameters stay bit-identical. The per-rank control shows the drift is visible."""
+    result = _run_tp2_clip(norm_kind, tmp_path)
+    rank0, rank1 = result["norms"]
+    assert result["replicated"] > 0
+    if norm_kind == "engine":
+        assert rank0 == rank1 and all(n > 1.0 for n in rank0), result  # clipping was active
+        assert result["drift"] == 0.0, result
+    else:
+        assert rank0 != rank1 and result["drift"] > 0.0, result
