@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,3 +105,62 @@ def run_isolated(
         seconds=time.monotonic() - start,
         timed_out=timed_out,
     )
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loopback_ranks(
+    argv: Sequence[str],
+    world_size: int,
+    *,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> list[IsolatedResult]:
+    """Run ``argv`` once per rank, torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
+    all on 127.0.0.1 with gloo bound to the loopback interface; wait for every rank.
+
+    ``env`` entries are added to each rank's environment. Ranks still running after
+    ``timeout`` seconds (None: no limit) are killed and reported as ``timed_out``.
+    """
+    port = free_loopback_port()
+    start = time.monotonic()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(
+            os.environ,
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            # loopback only: gloo would otherwise pick the interface of the hostname
+            GLOO_SOCKET_IFNAME="lo",
+        )
+        rank_env.update(env or {})
+        procs.append(subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=rank_env, cwd=cwd,
+        ))
+    results = []
+    try:
+        for proc in procs:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            try:
+                out, err = proc.communicate(timeout=left)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                timed_out = True
+            results.append(IsolatedResult(
+                returncode=None if timed_out else proc.returncode, stdout=out, stderr=err,
+                seconds=time.monotonic() - start, timed_out=timed_out,
+            ))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results

@@ -26,21 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
+from repro._isolated import run_loopback_ranks
 from repro._registry import Repro, Signature, WrongResult
 
 WORLD, SEQ, SEED = 2, 16, 0
 _TIMEOUT = 420.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t):
@@ -126,29 +119,17 @@ def worker(fixed: bool, out: str) -> None:
 def run(fixed: bool, device: str) -> None:
     if device != "cpu":
         raise ValueError(f"mesh-recompute-tp2-silent-grad runs on CPU (gloo); got device={device!r}")
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="stackfix-tp2-") as tmp:
         out = os.path.join(tmp, "result.json")
-        procs = []
-        for rank in range(WORLD):
-            env = dict(
-                os.environ,
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                # loopback only: gloo would otherwise pick the interface of the hostname
-                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+        argv = [sys.executable, "-m", "repro.mesh_recompute_tp2", "--worker",
+                "--fixed" if fixed else "--unfixed", "--out", out]
+        ranks = run_loopback_ranks(argv, WORLD, timeout=_TIMEOUT - 20, env={"OMP_NUM_THREADS": "1"})
+        for rank in ranks:
+            sys.stderr.write(rank.stderr)
+        if not all(rank.ok for rank in ranks):
+            raise RuntimeError(
+                f"a TP rank failed: {[rank.describe() for rank in ranks]} (see stderr above)"
             )
-            argv = [sys.executable, "-m", "repro.mesh_recompute_tp2", "--worker",
-                    "--fixed" if fixed else "--unfixed", "--out", out]
-            procs.append(subprocess.Popen(argv, env=env))
-        try:
-            codes = [p.wait(timeout=_TIMEOUT - 20) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(codes):
-            raise RuntimeError(f"a TP rank failed: exit codes {codes} (see stderr above)")
         with open(out) as f:
             result = json.load(f)
     print("TP2-GRADS " + json.dumps(result), flush=True)

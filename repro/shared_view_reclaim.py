@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from repro._isolated import free_loopback_port
 from repro._registry import Repro, Signature, WrongResult
 
 VARIANTS = ("none", "unsafe", "mtp-skip", "alias-aware")
@@ -170,12 +170,6 @@ def run_torch(fixed: bool, device: str) -> None:
 # --- megatron-core ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_megatron(device: str, seed: int = 1234) -> None:
     """World size 1: the CPU RNG shim on CPU; on CUDA the real thing —
     ``initialize_model_parallel()`` and ``model_parallel_cuda_manual_seed`` (FACTS.md)."""
@@ -192,7 +186,7 @@ def setup_megatron(device: str, seed: int = 1234) -> None:
         backend = "nccl"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
         dist.init_process_group(backend, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 
 import pytest
 
@@ -106,3 +107,17 @@ def test_cli_list_and_bad_arguments():
     assert nosuch.returncode == 2 and "unknown repro 'nosuch'" in nosuch.stderr
     baddev = run_isolated(module="repro", args=["--device", "tpu"], timeout=120)
     assert baddev.returncode == 2 and "allowed: cpu, cuda" in baddev.stderr
+
+
+def test_loopback_ranks_get_torchrun_env_and_time_out_together():
+    from repro._isolated import run_loopback_ranks
+
+    code = ("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'],"
+            " os.environ['MASTER_PORT'], os.environ['GLOO_SOCKET_IFNAME'], os.environ['EXTRA'])")
+    ranks = run_loopback_ranks([sys.executable, "-c", code], 2, timeout=60, env={"EXTRA": "x"})
+    lines = [r.stdout.split() for r in ranks]
+    assert [r.ok for r in ranks] == [True, True]
+    assert [ln[0] for ln in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
+    assert lines[0][1:3] == ["2", "127.0.0.1"] and lines[0][4:] == ["lo", "x"]
+    slow = run_loopback_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=2)
+    assert all(r.timed_out for r in slow)

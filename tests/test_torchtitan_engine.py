@@ -314,29 +314,17 @@ dist.destroy_process_group()
 
 
 def _run_tp2_clip(norm_kind: str, tmp_path) -> dict:
-    import os
-    import socket
-    import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from repro._isolated import run_loopback_ranks
+
     out = tmp_path / f"{norm_kind}.json"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, str(out)],
-            cwd=str(Path(__file__).parent.parent), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                     OMP_NUM_THREADS="1"),
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    ranks = run_loopback_ranks(
+        [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, str(out)], 2, timeout=300,
+        env={"OMP_NUM_THREADS": "1"}, cwd=str(Path(__file__).parent.parent),
+    )
+    assert all(r.ok for r in ranks), "\n".join(r.describe() + r.stderr[-3000:] for r in ranks)
     return json.loads(out.read_text())
 
 

@@ -27,8 +27,6 @@ import itertools
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -205,34 +203,21 @@ def _worker_main(cell_json: str) -> int:
 # ---- one cell (launcher) ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cell_main(cell_json: str) -> int:
     """Start one process per rank, torchrun-style, on 127.0.0.1; relay rank 0's result."""
+    from repro._isolated import run_loopback_ranks
+
     cell = Cell(**json.loads(cell_json))
-    world, port = cell.world_size, _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",  # loopback only
-        )
-        if cell.device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "fixes.torchtitan.smoke", "--worker", cell_json],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
-    outs = [p.communicate() for p in procs]  # the parent's timeout kills the process group
-    for out, err in outs:
-        sys.stdout.write(out)
-        sys.stderr.write(err)
-    return 1 if any(p.returncode for p in procs) else 0
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if cell.device == "cpu" else {}
+    # no timeout here: the parent's run_isolated timeout kills this process group
+    ranks = run_loopback_ranks(
+        [sys.executable, "-m", "fixes.torchtitan.smoke", "--worker", cell_json],
+        cell.world_size, env=env,
+    )
+    for rank in ranks:
+        sys.stdout.write(rank.stdout)
+        sys.stderr.write(rank.stderr)
+    return 0 if all(rank.ok for rank in ranks) else 1
 
 
 # ---- the matrix -----------------------------------------------------------------------------------
