@@ -4,14 +4,14 @@ mesh-preserving ``context_fn`` (fixes.torchtitan), on two models:
 - ``llama3-debugmodel``: torchtitan 0.3.0's llama3 ``debugmodel`` flavor (6.2M parameters),
   checkpointed by torchtitan's own ``FullAC`` / ``SelectiveAC`` (``apply``), made mesh-safe
   by ``make_checkpoint_wrappers_mesh_preserving``. Attention is SDPA: flex attention has no
-  CPU backward (FACTS.md), and torchtitan's registry refuses ``sdpa`` for language models,
+  CPU backward (torch 2.13), and torchtitan's registry refuses ``sdpa`` for language models,
   so the flavor is built with flex and its inner attention config swapped for SDPA's.
 - ``plain-transformer``: a small pre-norm transformer in plain torch, checkpointed per block
   with ``torch.utils.checkpoint`` (``mesh_preserving_context_fn``): it runs where torchtitan's
   models do not import (torch 2.11 on the GPU machine).
 
 The step runs forward and backward inside ``spmd_types.set_current_mesh`` (a real world-size-1
-mesh, repro._spmd_mesh), as a fixed engine's train context does, so the mesh-preserving variant
+mesh, repro.harness.spmd_mesh), as a fixed engine's train context does, so the mesh-preserving variant
 does its whole job (snapshot at forward, re-entry at recompute) and its cost is measured.
 """
 
@@ -85,7 +85,7 @@ class ACSetup:
 
 
 def _mesh():
-    from repro._spmd_mesh import spmd_mesh
+    from repro.harness.spmd_mesh import spmd_mesh
 
     return spmd_mesh("tp")
 
@@ -207,7 +207,7 @@ LLAMA = {"flavor": "debugmodel", "batch": 1, "seq": 128}
 
 def torchtitan_unavailable() -> str | None:
     """Why torchtitan's llama3 cannot be built here, or None. On torch 2.11 (the GPU machine)
-    torchtitan 0.3.0's models fail to import (FACTS.md), which is not an ImportError only."""
+    torchtitan 0.3.0's models fail to import (DataParallelMeshDims missing), which is not an ImportError only."""
     try:
         import torchtitan.distributed.activation_checkpoint  # noqa: F401
         import torchtitan.models.llama3  # noqa: F401

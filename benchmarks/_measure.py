@@ -6,7 +6,7 @@
   same program gives the same figures to the byte, run after run.
 - Bytes on GPU: the CUDA caching allocator's ``max_memory_allocated`` after
   ``reset_peak_memory_stats``. Only where ``torch.cuda.is_available()``: the CPU build of
-  torch returns 0 from these silently (FACTS.md), which a gate would read as a win.
+  torch returns 0 from these silently, which a gate would read as a win.
 - FLOPs: ``torch.utils.flop_counter.FlopCounterMode``. It counts matmul-like ops (mm, bmm,
   addmm, convolution, the CUDA SDPA kernels); the CPU SDPA kernel has no formula there, so
   CPU figures leave attention out. Recompute FLOPs are the backward pass's FLOPs minus those

@@ -1,7 +1,7 @@
 """GPU only: the price of ``single_threaded_backward()`` (fixes.torchtitan) -- step time and
 bytes of a full-AC step with autograd's device threads (torch's default on CUDA) and with
 backward kept on the calling thread. On CPU tensors backward always runs on the calling thread,
-so there is nothing to compare there (FACTS.md).
+so there is nothing to compare there.
 
 The ratio is measured with the two variants interleaved round by round (so clock and thermal
 drift hit both alike) and reported as median(single) / median(multi): above 1 means the single

@@ -3,7 +3,7 @@
 Add a repro: a module ``repro/<name>.py`` with ``REPROS = [Repro(name=..., summary=...,
 run=<run(fixed, device)>, signatures=(Signature(...),), devices=(...))]``."""
 
-from repro._isolated import IsolatedResult, run_isolated
-from repro._registry import Repro, Signature, WrongResult, discover
+from repro.harness.isolated import IsolatedResult, run_isolated
+from repro.registry import Repro, Signature, WrongResult, discover
 
 __all__ = ["IsolatedResult", "Repro", "Signature", "WrongResult", "discover", "run_isolated"]

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from repro._registry import DEVICES, discover
-from repro._runner import run_repro
+from repro.registry import DEVICES, discover
+from repro.runner import run_repro
 
 
 def _table(rows: list[list[str]]) -> str:

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from repro._registry import Repro, Signature, WrongResult
+from repro.registry import Repro, Signature, WrongResult
 
 PLACEMENTS = ("main", "worker", "init-thread", "device-thread")
 AC_MODES = ("selective", "full", "none")
@@ -172,7 +172,7 @@ def _grads(model, x):
 @functools.cache
 def _reference_grads(device: str):
     """Gradients without activation checkpointing (no recompute, so no mesh question)."""
-    from repro._spmd_mesh import spmd_mesh
+    from repro.harness.spmd_mesh import spmd_mesh
 
     model, x = _build("none", "none", device, Probe())
     with spmd.set_current_mesh(spmd_mesh()):
@@ -188,7 +188,7 @@ def _maybe_single_threaded(fix: str):
 
 def run_cell(placement: str, ac: str, fix: str, device: str) -> Cell:
     """Run one scenario; exceptions are kept on the Cell (``exc``), never swallowed silently."""
-    from repro._spmd_mesh import spmd_mesh
+    from repro.harness.spmd_mesh import spmd_mesh
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")

@@ -5,8 +5,8 @@ torchtitan's tensor-parallel collectives go through
 no mesh is current. Selective AC recomputes parts of each block inside ``backward()``; if the
 backward runs after the mesh context (torchtitan's ``train_context``) was left -- as verl did
 before #6950 -- the recomputed activations skip their all-gathers / reduce-scatters. Nothing
-raises; the gradients are wrong (FACTS.md: 36 collectives skipped, sum|grad| 746.048 vs
-746.038).
+raises; the gradients are wrong. The unfixed run reports how far (max |grad - ref| and
+sum|grad| against the reference, over every shard of both ranks).
 
 Setting: real torchtitan llama3 ``debugmodel``, 2 CPU processes on gloo (127.0.0.1 only),
 TP=2, no FSDP sharding, spmd_types backend, SDPA attention, selective AC, fp32, batch 1,
@@ -29,8 +29,8 @@ import os
 import sys
 import tempfile
 
-from repro._isolated import run_loopback_ranks
-from repro._registry import Repro, Signature, WrongResult
+from repro.harness.isolated import run_loopback_ranks
+from repro.registry import Repro, Signature, WrongResult
 
 WORLD, SEQ, SEED = 2, 16, 0
 _TIMEOUT = 420.0

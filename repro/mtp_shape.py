@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro._registry import Repro, Signature, WrongResult
+from repro.registry import Repro, Signature, WrongResult
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

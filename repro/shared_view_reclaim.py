@@ -22,7 +22,7 @@ Repros:
 * ``shared-view-reclaim`` — torch only; the checkpoint is PyTorch's reentrant
   ``torch.utils.checkpoint.CheckpointFunction`` (same backward shape as megatron's).
 * ``shared-view-reclaim-megatron`` — megatron-core's ``tensor_parallel.checkpoint`` and
-  ``make_viewless_tensor``; on CPU through repro/_megatron_cpu.py's RNG shim, unshimmed on CUDA.
+  ``make_viewless_tensor``; on CPU through repro/harness/megatron_cpu.py's RNG shim, unshimmed on CUDA.
 * ``run_megatron_mtp`` — not a repro but a finding (H200, megatron-core 0.19.2, 2026-11-30): a
   real GPT + MTP (local spec, full recompute) with the unsafe reclaim does NOT crash and its
   grads match; ``tests/test_recompute_reclaim.py`` keeps that finding under test.
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from repro._isolated import free_loopback_port
-from repro._registry import Repro, Signature, WrongResult
+from repro.harness.isolated import free_loopback_port
+from repro.registry import Repro, Signature, WrongResult
 
 VARIANTS = ("none", "unsafe", "mtp-skip", "alias-aware")
 
@@ -172,12 +172,12 @@ def run_torch(fixed: bool, device: str) -> None:
 
 def setup_megatron(device: str, seed: int = 1234) -> None:
     """World size 1: the CPU RNG shim on CPU; on CUDA the real thing —
-    ``initialize_model_parallel()`` and ``model_parallel_cuda_manual_seed`` (FACTS.md)."""
+    ``initialize_model_parallel()`` and ``model_parallel_cuda_manual_seed``."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if device == "cpu":
-        from repro._megatron_cpu import install_megatron_cpu_rng_shim
+        from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
 
         install_megatron_cpu_rng_shim(force=True)
         backend = "gloo"

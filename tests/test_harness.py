@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from repro import Repro, Signature, discover, run_isolated
-from repro._registry import EXCEPTION_MARKER
-from repro._runner import judge_fixed, judge_unfixed
+from repro.registry import EXCEPTION_MARKER
+from repro.runner import judge_fixed, judge_unfixed
 
 pytestmark = pytest.mark.cpu
 
@@ -47,7 +47,7 @@ def _fake_repro(*sigs):
 
 
 def _result(code, stderr=""):
-    from repro._isolated import IsolatedResult
+    from repro.harness.isolated import IsolatedResult
 
     return IsolatedResult(returncode=code, stdout="", stderr=stderr, seconds=0.1)
 
@@ -110,7 +110,7 @@ def test_cli_list_and_bad_arguments():
 
 
 def test_loopback_ranks_get_torchrun_env_and_time_out_together():
-    from repro._isolated import run_loopback_ranks
+    from repro.harness.isolated import run_loopback_ranks
 
     code = ("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'],"
             " os.environ['MASTER_PORT'], os.environ['GLOO_SOCKET_IFNAME'], os.environ['EXTRA'])")

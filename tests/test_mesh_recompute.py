@@ -30,7 +30,7 @@ from fixes.torchtitan import (
 )
 from fixes.torchtitan.backward_threads import SingleThreadedBackwardUnavailable
 from repro import run_isolated
-from repro._spmd_mesh import spmd_mesh
+from repro.harness.spmd_mesh import spmd_mesh
 from repro.mesh_recompute import (
     FIXES,
     N_BLOCKS,

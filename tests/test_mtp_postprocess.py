@@ -3,7 +3,7 @@ when given and accepted, and is a bit-identical no-op on megatron-core releases 
 
 Torch-only tests use the repro's mHC model (repro/mtp_shape.py). The megatron tests build a tiny
 GPT + MTP with the local spec (2 layers, hidden 64, seq 16, world size 1): on CPU with
-megatron-core 0.16.1 through repro/_megatron_cpu.py, on the H200 with 0.19.2."""
+megatron-core 0.16.1 through repro/harness/megatron_cpu.py, on the H200 with 0.19.2."""
 
 from __future__ import annotations
 
@@ -186,16 +186,12 @@ def megatron_world(request, tmp_path_factory):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from repro import _megatron_cpu
+    from repro.harness.megatron_cpu import install_megatron_cpu_shims
 
     if device == "cpu" and torch.cuda.is_available():
         # megatron's CPU shims are process-wide and only installed where CUDA is absent; on a
         # CUDA machine the cuda variant of these tests runs instead.
         pytest.skip("the CPU megatron variant runs on CPU-only machines")
-    buffer_shim = getattr(_megatron_cpu, "install_megatron_cpu_memory_buffer_shim", None)
-    if device == "cpu" and buffer_shim is None:
-        pytest.skip("repro/_megatron_cpu.py has no CPU GlobalMemoryBuffer shim yet "
-                    "(DotProductAttention allocates on torch.cuda.current_device())")
     created_pg = created_mp = False
     if not dist.is_initialized():
         store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
@@ -208,8 +204,7 @@ def megatron_world(request, tmp_path_factory):
     if device == "cpu":
         # megatron-core hard-codes CUDA in its RNG tracker and in GlobalMemoryBuffer (used by
         # the local spec's DotProductAttention); the project's one shim module handles both.
-        _megatron_cpu.install_megatron_cpu_rng_shim()
-        buffer_shim()
+        install_megatron_cpu_shims()
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -9,8 +9,8 @@ import torch
 
 from fixes.megatron import mtp_postprocess as mp
 from repro import WrongResult, run_isolated
-from repro._registry import reported_exception
 from repro.mtp_shape import MHCGPT, MTPShapeConfig, expand_streams, run
+from repro.registry import reported_exception
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.cpu),
@@ -44,8 +44,8 @@ def test_unfixed_view_error_follows_the_shapes(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_unfixed_path_through_the_harness_reports_the_runtime_error(device):
-    from repro._runner import run_path
     from repro.mtp_shape import REPROS
+    from repro.runner import run_path
 
     result = run_path(REPROS[0], fixed=False, device=device)
     exc = reported_exception(result.stderr)

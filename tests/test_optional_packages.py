@@ -1,6 +1,6 @@
 """One contract for every optional upstream (torchtitan, megatron-core, vLLM): with the package
 absent, ``import fixes.<stack>`` still works, exposes its public names and never imports it,
-and the CPU suite collects with skips, never an ImportError (DESIGN.md conventions)."""
+and the CPU suite collects with skips, never an ImportError."""
 
 from __future__ import annotations
 

@@ -317,7 +317,7 @@ def test_megatron_patch_is_idempotent_and_undo_restores_the_original():
         remove_recompute_reclaim_patch()
 
 
-# --- GPU memory-safety oracle (DESIGN.md) -------------------------------------------------------
+# --- GPU memory-safety oracle: compute-sanitizer memcheck -------------------------------------------------------
 
 SANITIZER = shutil.which("compute-sanitizer") or (
     "/usr/local/cuda/bin/compute-sanitizer"
@@ -327,7 +327,7 @@ SANITIZER = shutil.which("compute-sanitizer") or (
 
 def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [SANITIZER, "--tool", "memcheck", sys.executable, "-m", "repro._child", name, mode,
+        [SANITIZER, "--tool", "memcheck", sys.executable, "-m", "repro.child", name, mode,
          "--device", "cuda"],
         capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent.parent),
     )

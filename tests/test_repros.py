@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from repro import discover
-from repro._runner import judge_fixed, judge_unfixed, run_path
+from repro.runner import judge_fixed, judge_unfixed, run_path
 
 REPROS = discover()
 CASES = [

@@ -20,7 +20,7 @@ try:
     import torchtitan.trainer  # noqa: F401
 
     _TITAN_ERROR = None
-except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing (FACTS.md)
+except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing
     _TITAN_ERROR = exc
 
 needs_titan_models = pytest.mark.skipif(
@@ -42,7 +42,7 @@ def process_group(tmp_path_factory):
     if dist.is_initialized():
         return
     if not torch.cuda.is_available():
-        from repro._spmd_mesh import ensure_process_group
+        from repro.harness.spmd_mesh import ensure_process_group
 
         ensure_process_group()
         return
@@ -153,7 +153,7 @@ def test_step_on_worker_thread_matches_main_thread_inside_mesh_context(process_g
 @pytest.mark.parametrize("attn,inner", [("flex", "FlexAttention"), ("varlen", "VarlenAttention")])
 def test_attn_type_reaches_the_built_model(process_group, attn, inner):
     # verl #6182: attn_type was silently ignored. Built only: flex has no CPU backward and
-    # varlen no CPU kernel (FACTS.md).
+    # varlen no CPU kernel (torch 2.13).
     from fixes.torchtitan.config import TorchtitanEngineConfig
     from fixes.torchtitan.engine import TorchtitanEngine
 
@@ -252,7 +252,7 @@ def test_smoke_runner_reports_each_cell_and_fails_on_a_failed_cell(tmp_path):
 
     out = tmp_path / "rows.json"
     res = run_isolated(
-        module="fixes.torchtitan.smoke",
+        module="repro.harness.engine_smoke",
         args=["--attn", "sdpa,flex_flash", "--ac", "none", "--steps", "2", "--json", str(out)],
         env={"STACKFIX_SMOKE_SEQ_LEN": "8"},
         timeout=600,
@@ -271,10 +271,10 @@ def test_smoke_runner_reports_each_cell_and_fails_on_a_failed_cell(tmp_path):
 def test_smoke_runner_rejects_bad_values_before_running():
     from repro import run_isolated
 
-    res = run_isolated(module="fixes.torchtitan.smoke", args=["--ac", "partial"], timeout=120)
+    res = run_isolated(module="repro.harness.engine_smoke", args=["--ac", "partial"], timeout=120)
     assert res.returncode == 2
     assert "activation_checkpoint='partial' is not supported; allowed: 'selective', 'full', 'none'" in res.stderr
-    res = run_isolated(module="fixes.torchtitan.smoke", args=["--parallel", "tq=2"], timeout=120)
+    res = run_isolated(module="repro.harness.engine_smoke", args=["--parallel", "tq=2"], timeout=120)
     assert res.returncode == 2 and "KEY one of" in res.stderr
 
 
@@ -317,7 +317,7 @@ def _run_tp2_clip(norm_kind: str, tmp_path) -> dict:
     import sys
     from pathlib import Path
 
-    from repro._isolated import run_loopback_ranks
+    from repro.harness.isolated import run_loopback_ranks
 
     out = tmp_path / f"{norm_kind}.json"
     ranks = run_loopback_ranks(

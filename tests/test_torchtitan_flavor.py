@@ -10,7 +10,7 @@ pytestmark = pytest.mark.cpu
 
 try:  # the flavors are parametrized from torchtitan's own registries at collection time
     from torchtitan.models import llama3, qwen3
-except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing (FACTS.md)
+except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing
     pytest.skip(f"torchtitan models need torch >= 2.12 ({exc})", allow_module_level=True)
 
 from fixes.torchtitan.flavor import (  # noqa: E402

@@ -1,7 +1,7 @@
 """BASELINES FOR COMPARISON — NOT FIXES. Do not install these in training.
 
 Two reference implementations of verl's recompute reclaim, written from its description
-(verl #5251 and #7328, see ../shared/seeds/), so that repros, tests and benchmarks can compare
+(verl #5251 and #7328), so that repros, tests and benchmarks can compare
 them with the alias-aware reclaim in :mod:`fixes.megatron.reclaim`:
 
 * ``unsafe``: after the checkpoint's backward, ``resize_(0)`` the storage of every

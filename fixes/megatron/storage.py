@@ -8,7 +8,7 @@ shared, so a ``_base``-based test misses it). When one of those belongs to an au
 backward has not run yet, that node reads freed memory (verl #7328: SIGSEGV on CPU, CUDA illegal
 memory access on GPU).
 
-How, at two levels (see ../shared/FACTS.md, "Crash 2"):
+How, at two levels:
 
 * Storage level: every ``TensorImpl`` that uses a storage holds one reference to its
   ``StorageImpl``; ``torch._C._storage_Use_Count`` reads that count. Views, chunks, narrow /

@@ -35,7 +35,7 @@ __all__ = [
 # it the way torchtitan's own graph_trainer tests do (flex config, inner attention swapped to
 # ScaledDotProductAttention). It is causal-only (no document masks) and the one backend with a
 # CPU backward: FlexAttention raises "does not support backward on CPU", varlen has no CPU
-# kernel (FACTS.md).
+# kernel (torch 2.13).
 ATTN_TYPES = ("flex", "flex_flash", "varlen", "sdpa")
 
 # activation_checkpoint -> torchtitan AC config class name (verl #6916's mapping); "none" -> None.

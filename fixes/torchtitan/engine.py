@@ -8,7 +8,7 @@ attn_backend=...)``, ``Trainer.Config`` (its validation and ``update_from_config
 model's ``parallelize_fn`` (TP / FSDP / AC / compile), ``OptimizersContainer.Config
 (param_groups=[ParamGroupConfig(...)])``, ``CrossEntropyLoss.Config`` and
 ``get_spmd_context`` -- but not torchtitan's ``Trainer`` object, whose constructor hard-codes
-CUDA (``device_module.set_device``, FACTS.md). The one CUDA assumption left on the way,
+CUDA (``device_module.set_device``). The one CUDA assumption left on the way,
 ``ParallelDims.build_mesh`` building its mesh for ``torchtitan.tools.utils.device_type`` (which
 is "cuda" on a machine without an accelerator), is redirected by ``_mesh_device_type``.
 
@@ -118,7 +118,7 @@ def _skip_fsdp(cfg: TorchtitanEngineConfig, parallel_dims) -> bool:
     and no data-parallel degree. torchtitan's parallelize functions always call
     ``apply_fsdp_to_decoder``; under spmd_types the TP-parallelized parameters are plain
     tensors, and ``fully_shard(..., dp_mesh_dims=...)`` on torch < 2.14 rejects them ("all
-    parameters must be DTensors on the full SPMD mesh"; FACTS.md). With dp degree 1 the FSDP
+    parameters must be DTensors on the full SPMD mesh"). With dp degree 1 the FSDP
     step would only install a MixedPrecisionPolicy, so the engine leaves it out."""
     dp_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
     return cfg.spmd_backend == "spmd_types" and cfg.tp > 1 and dp_degree == 1

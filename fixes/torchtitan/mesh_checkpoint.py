@@ -48,8 +48,8 @@ ContextFn = Callable[[], tuple[Any, Any]]
 
 # torchtitan's module holding its mesh thread-locals; looked up in sys.modules only: if
 # torchtitan was never imported, nobody can have set its mesh, and importing it here would
-# make this fix depend on a torchtitan that imports on the running torch (FACTS.md: 0.3.0's
-# models do not on torch 2.11).
+# make this fix depend on a torchtitan that imports on the running torch (0.3.0's models
+# do not on torch 2.11: DataParallelMeshDims is missing from torch.distributed.fsdp).
 _TITAN_SPMD_MODULE = "torchtitan.distributed.spmd_types"
 _TITAN_ATTRS = ("mesh_stack", "dense_mesh", "sparse_mesh")
 _MISSING = object()

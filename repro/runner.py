@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from repro._isolated import IsolatedResult, run_isolated
-from repro._registry import Repro, reported_exception
+from repro.harness.isolated import IsolatedResult, run_isolated
+from repro.registry import Repro, reported_exception
 
 
 @dataclass
@@ -41,7 +41,7 @@ def run_path(repro: Repro, fixed: bool, device: str) -> IsolatedResult:
     """The raw child result of one path (tests assert on it directly)."""
     mode = "--fixed" if fixed else "--unfixed"
     return run_isolated(
-        module="repro._child", args=[repro.name, mode, "--device", device], timeout=repro.timeout
+        module="repro.child", args=[repro.name, mode, "--device", device], timeout=repro.timeout
     )
 
 

@@ -2,7 +2,7 @@
 
 A repro module under ``repro/`` exposes ``REPROS: list[Repro]``. Each Repro names a
 function ``run(fixed: bool, device: str) -> None`` that performs the scenario in-process;
-the runner always calls it in a fresh interpreter (``python -m repro._child``), so a
+the runner always calls it in a fresh interpreter (``python -m repro.child``), so a
 segfault or a CUDA fault ends that child only.
 """
 
@@ -119,13 +119,17 @@ class Repro:
         return None
 
 
+# The runner's own modules (and the ``harness`` package, skipped as a package): no repros there.
+_RUNNER_MODULES = frozenset({"child", "registry", "runner"})
+
+
 def discover() -> dict[str, Repro]:
     """Every Repro declared by a public module of the ``repro`` package, by name."""
     import repro as package
 
     found: dict[str, Repro] = {}
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
+        if info.name.startswith("_") or info.ispkg or info.name in _RUNNER_MODULES:
             continue
         module = importlib.import_module(f"repro.{info.name}")
         for r in getattr(module, "REPROS", ()):

@@ -1,6 +1,6 @@
 """End-to-end smoke run of ``TorchtitanEngine`` over a configuration matrix.
 
-``python -m fixes.torchtitan.smoke`` trains a torchtitan model for ``--steps`` steps in every cell
+``python -m repro.harness.engine_smoke`` trains a torchtitan model for ``--steps`` steps in every cell
 of (parallel sizes x attn type x spmd backend x AC mode x compile), each cell in its own
 process tree (``repro.run_isolated``: a crash or hang ends that cell only), and prints one row
 per cell: ok with the first and last loss, or failed with the error. Exit status 1 if any cell
@@ -14,10 +14,10 @@ variable (``STACKFIX_SMOKE_<OPTION>``) for CI, the flag wins.
 
 Examples::
 
-    python -m fixes.torchtitan.smoke --attn sdpa --ac selective,full,none --steps 3
-    python -m fixes.torchtitan.smoke --parallel dp_shard=1 --parallel tp=2,dp_shard=1 \\
+    python -m repro.harness.engine_smoke --attn sdpa --ac selective,full,none --steps 3
+    python -m repro.harness.engine_smoke --parallel dp_shard=1 --parallel tp=2,dp_shard=1 \\
         --spmd-backend spmd_types,partial_dtensor
-    STACKFIX_SMOKE_DEVICE=cuda STACKFIX_SMOKE_ATTN=flex,flex_flash python -m fixes.torchtitan.smoke
+    STACKFIX_SMOKE_DEVICE=cuda STACKFIX_SMOKE_ATTN=flex,flex_flash python -m repro.harness.engine_smoke
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         return env(_ENV + option.upper().replace("-", "_"), fallback)
 
     p = argparse.ArgumentParser(
-        prog="python -m fixes.torchtitan.smoke",
+        prog="python -m repro.harness.engine_smoke",
         description="TorchtitanEngine end-to-end smoke matrix (each option also reads "
         "STACKFIX_SMOKE_<OPTION>; comma-separated values span the matrix)",
     )
@@ -205,13 +205,13 @@ def _worker_main(cell_json: str) -> int:
 
 def _cell_main(cell_json: str) -> int:
     """Start one process per rank, torchrun-style, on 127.0.0.1; relay rank 0's result."""
-    from repro._isolated import run_loopback_ranks
+    from repro.harness.isolated import run_loopback_ranks
 
     cell = Cell(**json.loads(cell_json))
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if cell.device == "cpu" else {}
     # no timeout here: the parent's run_isolated timeout kills this process group
     ranks = run_loopback_ranks(
-        [sys.executable, "-m", "fixes.torchtitan.smoke", "--worker", cell_json],
+        [sys.executable, "-m", "repro.harness.engine_smoke", "--worker", cell_json],
         cell.world_size, env=env,
     )
     for rank in ranks:
@@ -242,7 +242,7 @@ def run_cell(cell: Cell, timeout: float) -> dict:
     from repro import run_isolated
 
     start = time.monotonic()
-    res = run_isolated(module="fixes.torchtitan.smoke", args=["--cell", json.dumps(asdict(cell))],
+    res = run_isolated(module="repro.harness.engine_smoke", args=["--cell", json.dumps(asdict(cell))],
                        timeout=timeout)
     row = {"cell": cell.label(), "seconds": round(time.monotonic() - start, 1)}
     result = _find(RESULT, res.stdout)

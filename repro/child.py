@@ -1,4 +1,4 @@
-"""Child-process entry: ``python -m repro._child NAME --fixed|--unfixed --device D``.
+"""Child-process entry: ``python -m repro.child NAME --fixed|--unfixed --device D``.
 
 Runs one repro in this interpreter. An exception is printed and reported on a marker line
 (class names of its MRO and its message) so that the parent can match it exactly."""
@@ -10,11 +10,11 @@ import json
 import sys
 import traceback
 
-from repro._registry import DEVICES, EXCEPTION_MARKER, discover
+from repro.registry import DEVICES, EXCEPTION_MARKER, discover
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro._child")
+    parser = argparse.ArgumentParser(prog="python -m repro.child")
     parser.add_argument("name")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fixed", action="store_true")

@@ -6,7 +6,7 @@ Why: megatron-core's ``tensor_parallel.random.CheckpointFunction.forward`` saves
 state unconditionally (``_get_all_rng_states`` -> ``_get_cuda_rng_state``) and its backward
 restores it (``_set_cuda_rng_state``), and ``get_cuda_rng_tracker()`` seeds CUDA generators.
 On a machine without CUDA every checkpoint therefore raises before any of the behaviour under
-test runs (see ../shared/FACTS.md, "Crash 2"). The shim replaces exactly those two RNG
+test runs. The shim replaces exactly those two RNG
 state accessors with CPU-safe ones and installs megatron's own *inference* RNG tracker
 (which keeps no CUDA state). Nothing else of megatron is touched: checkpointing, recompute,
 ``make_viewless_tensor`` and the models run as shipped. It is a no-op where CUDA exists.
@@ -14,7 +14,6 @@ state accessors with CPU-safe ones and installs megatron's own *inference* RNG t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -79,16 +78,3 @@ def install_megatron_cpu_shims(force: bool = False) -> bool:
     rng = install_megatron_cpu_rng_shim(force)
     buf = install_megatron_cpu_memory_buffer_shim(force)
     return rng or buf
-
-
-@contextlib.contextmanager
-def megatron_cpu_rng_shim():
-    """Context-managed variant: the original accessors are restored on exit."""
-    from megatron.core.tensor_parallel import random as mrandom
-
-    saved = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
-    installed = install_megatron_cpu_rng_shim()
-    try:
-        yield installed
-    finally:
-        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved
