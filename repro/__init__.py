@@ -4,6 +4,8 @@ Add a repro: a module ``repro/<name>.py`` with ``REPROS = [Repro(name=..., summa
 run=<run(fixed, device)>, signatures=(Signature(...),), devices=(...))]``."""
 
 from repro.harness.isolated import IsolatedResult, run_isolated
-from repro.registry import Repro, Signature, WrongResult, discover
+from repro.registry import Repro, Signature, Skipped, WrongResult, discover
 
-__all__ = ["IsolatedResult", "Repro", "Signature", "WrongResult", "discover", "run_isolated"]
+__all__ = [
+    "IsolatedResult", "Repro", "Signature", "Skipped", "WrongResult", "discover", "run_isolated",
+]

@@ -1,31 +1,107 @@
-"""``python -m repro``: every repro, unfixed and fixed, each in its own child interpreter.
+"""python -m repro: every repro, unfixed and fixed, each in its own child interpreter.
 
-Exit status: 0 when every repro that ran reproduced its crash unfixed and passed fixed,
-1 otherwise, 2 on bad arguments (unknown repro or device, CUDA asked for but absent)."""
+Each repro ends good (the unfixed path reproduced its crash and the fixed path passed), bad
+(anything else that ran), or skipped (it could not run here: no variant for this device, or a
+package, checkout or GPU it needs is missing; the reason is printed). Skipped is never good.
+
+Exit status:
+  0  nothing bad; every repro named with --only ran
+  1  at least one repro was bad
+  2  bad arguments (unknown repro or device, CUDA asked for but absent, --json not writable)
+  3  nothing bad, but a repro named with --only was skipped (with --strict: any repro that
+     has a variant for this device was skipped)
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 
 from repro.registry import DEVICES, discover
-from repro.runner import run_repro
+from repro.runner import ReproOutcome, run_repro
+
+TABLE_WIDTH = 120  # the detail column is cut to fit; --json keeps every message whole
+_HEADER = ["repro", "device", "unfixed", "fixed", "secs", "detail"]
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _detail(o: ReproOutcome) -> str:
+    """The one message that matters for a row: the skip reason, the bad path's failure, or
+    (good) the crash the unfixed path reproduced."""
+    if o.status == "good":
+        return o.unfixed.detail
+    for path, ok in ((o.unfixed, "reproduced"), (o.fixed, "passed")):
+        if path.status not in (ok, "skipped"):
+            return path.detail
+    return o.unfixed.detail if o.unfixed.status == "skipped" else o.fixed.detail
+
+
+def _row(o: ReproOutcome) -> list[str]:
+    return [o.name, o.device, o.unfixed.status, o.fixed.status,
+            f"{o.unfixed.seconds + o.fixed.seconds:.1f}", " ".join(_detail(o).split())]
+
+
+def table(outcomes: list[ReproOutcome], width: int = TABLE_WIDTH) -> str:
+    rows = [_HEADER] + [_row(o) for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER) - 1)]
+    room = max(width - sum(widths) - 2 * len(widths), 20)
+    lines = []
+    for r in rows:
+        detail = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
+        lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), detail]))
+    lines.insert(1, "  ".join("-" * w for w in [*widths, min(room, 40)]))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def summary(outcomes: list[ReproOutcome]) -> str:
+    by = {s: [o.name for o in outcomes if o.status == s] for s in ("good", "bad", "skipped")}
+    text = f"{len(by['good'])} good, {len(by['bad'])} bad, {len(by['skipped'])} skipped"
+    if by["bad"]:
+        text += "\nbad: " + ", ".join(by["bad"])
+    if by["skipped"]:
+        text += "\nskipped: " + "; ".join(
+            f"{o.name} ({_detail(o)})" for o in outcomes if o.status == "skipped"
+        )
+    return text
+
+
+def exit_status(outcomes: list[ReproOutcome], asked: list[str], strict: bool) -> int:
+    if any(o.status == "bad" for o in outcomes):
+        return 1
+    for o in outcomes:
+        if o.status != "skipped":
+            continue
+        no_variant = o.unfixed.detail == f"no {o.device} variant"
+        if o.name in asked or (strict and not no_variant):
+            return 3
+    return 0
+
+
+def _writable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None (checked before any repro runs)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{path} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m repro", description=__doc__.split("\n\n")[0].split(": ", 1)[1].capitalize(),
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--list", action="store_true", help="list the repros and exit")
     parser.add_argument("--only", action="append", metavar="NAME", help="run only NAME (repeatable)")
     parser.add_argument("--device", default="cpu", help=f"one of {', '.join(DEVICES)} (default cpu)")
-    parser.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON")
+    parser.add_argument("--json", metavar="PATH", help="also write every outcome, messages whole, as JSON")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 3 when any repro with a variant for this device was skipped")
     args = parser.parse_args(argv)
 
     if args.device not in DEVICES:
@@ -42,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown repro {', '.join(map(repr, unknown))}; known: {', '.join(repros)}",
               file=sys.stderr)
         return 2
+    if args.json and (why := _writable(args.json)):
+        print(f"error: --json {args.json}: {why}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
@@ -51,22 +130,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     outcomes = []
-    rows = [["repro", "device", "unfixed", "fixed", "seconds"]]
     for name in names:
         o = run_repro(repros[name], args.device)
         outcomes.append(o)
-        mark = "" if o.good else "  <-- FAIL"
-        rows.append([name, o.device, f"{o.unfixed.status}: {o.unfixed.detail}",
-                     f"{o.fixed.status}: {o.fixed.detail}",
-                     f"{o.unfixed.seconds + o.fixed.seconds:.1f}{mark}"])
-        print(f"[{'ok' if o.good else 'FAIL'}] {name} ({args.device})", file=sys.stderr, flush=True)
-    print(_table(rows))
-    bad = [o.name for o in outcomes if not o.good]
-    print(f"\n{len(outcomes) - len(bad)} good, {len(bad)} bad" + (f": {', '.join(bad)}" if bad else ""))
+        print(f"[{o.status}] {name} ({args.device})", file=sys.stderr, flush=True)
+    width = min(TABLE_WIDTH, shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
+    print(table(outcomes, max(width, 80)))
+    print("\n" + summary(outcomes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([o.as_dict() for o in outcomes], f, indent=2)
-    return 1 if bad else 0
+    return exit_status(outcomes, args.only or [], args.strict)
 
 
 if __name__ == "__main__":

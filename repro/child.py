@@ -1,7 +1,8 @@
 """Child-process entry: ``python -m repro.child NAME --fixed|--unfixed --device D``.
 
 Runs one repro in this interpreter. An exception is printed and reported on a marker line
-(class names of its MRO and its message) so that the parent can match it exactly."""
+(class names of its MRO and its message) so that the parent can match it exactly; a
+``Skipped`` is reported on its own marker line with exit status 77."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import json
 import sys
 import traceback
 
-from repro.registry import DEVICES, EXCEPTION_MARKER, discover
+from repro.registry import (
+    DEVICES,
+    EXCEPTION_MARKER,
+    SKIP_EXIT_CODE,
+    SKIP_MARKER,
+    Skipped,
+    discover,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     repro = discover()[args.name]
     try:
         repro.run(args.fixed, args.device)
+    except Skipped as skip:
+        print(SKIP_MARKER + " ".join(str(skip).split()), file=sys.stderr, flush=True)
+        return SKIP_EXIT_CODE
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         traceback.print_exc()
         report = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}

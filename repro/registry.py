@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 
 DEVICES = ("cpu", "cuda")
 EXCEPTION_MARKER = "REPRO-EXCEPTION "
+SKIP_MARKER = "REPRO-SKIPPED "
+SKIP_EXIT_CODE = 77  # the child's exit status for "could not run here" (automake's skip code)
+
+
+class Skipped(Exception):
+    """Raised by a repro that cannot run here (a package, checkout or GPU it needs is missing).
+    The message is the reason; the runner reports the path as skipped, never as good."""
 
 
 class WrongResult(AssertionError):
@@ -77,6 +84,14 @@ class Signature:
             if self.message is not None and self.message not in exc["message"]:
                 return False
         return True
+
+
+def reported_skip(stderr: str) -> str | None:
+    """The reason the child gave for skipping (last marker line), or None."""
+    for line in reversed(stderr.splitlines()):
+        if line.startswith(SKIP_MARKER):
+            return line[len(SKIP_MARKER) :]
+    return None
 
 
 def reported_exception(stderr: str) -> dict | None:

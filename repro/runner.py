@@ -5,20 +5,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from repro.harness.isolated import IsolatedResult, run_isolated
-from repro.registry import Repro, reported_exception
+from repro.registry import SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
+
+# Path statuses. Only these two are good; "skipped" never is.
+GOOD_UNFIXED, GOOD_FIXED = "reproduced", "passed"
 
 
 @dataclass
 class PathOutcome:
-    """One path (unfixed or fixed) of one repro on one device."""
+    """One path (unfixed or fixed) of one repro on one device. ``detail`` is the full text
+    (the exception message, the skip reason); the table shortens it, the JSON keeps it."""
 
     status: str  # reproduced | not-reproduced | wrong-failure | passed | failed | skipped
     detail: str
     seconds: float
-
-    @property
-    def good(self) -> bool:
-        return self.status in ("reproduced", "passed", "skipped")
 
 
 @dataclass
@@ -29,11 +29,18 @@ class ReproOutcome:
     fixed: PathOutcome
 
     @property
-    def good(self) -> bool:
-        return self.unfixed.good and self.fixed.good
+    def status(self) -> str:
+        """``good`` (reproduced unfixed, passed fixed), ``bad`` (anything else that ran), or
+        ``skipped`` (a path could not run and nothing that ran was bad)."""
+        paths = (self.unfixed, self.fixed)
+        if any(p.status not in (GOOD_UNFIXED, GOOD_FIXED, "skipped") for p in paths):
+            return "bad"
+        if any(p.status == "skipped" for p in paths):
+            return "skipped"
+        return "good"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "device": self.device, "good": self.good,
+        return {"name": self.name, "device": self.device, "status": self.status,
                 "unfixed": asdict(self.unfixed), "fixed": asdict(self.fixed)}
 
 
@@ -45,44 +52,58 @@ def run_path(repro: Repro, fixed: bool, device: str) -> IsolatedResult:
     )
 
 
-def _failure_text(result: IsolatedResult) -> str:
+def failure_text(result: IsolatedResult) -> str:
+    """What went wrong in a child, in full: ``Type: message``, the signal, or the last line."""
     exc = reported_exception(result.stderr)
     if exc is not None:
-        message = " ".join(exc["message"].split())  # one table row: no embedded newlines
-        if len(message) > 160:
-            message = message[:159] + "…"
-        return f"{exc['types'][0]}: {message}"
+        return f"{exc['types'][0]}: {exc['message']}"
     if result.signal is not None or result.timed_out:
         return result.describe()
     tail = result.stderr.strip().splitlines()[-1:] or [""]
-    return f"{result.describe()}: {tail[0][:160]}"
+    return f"{result.describe()}: {tail[0]}"
+
+
+def _skipped(result: IsolatedResult) -> PathOutcome | None:
+    reason = reported_skip(result.stderr)
+    if result.returncode == SKIP_EXIT_CODE and reason is not None:
+        return PathOutcome("skipped", reason, result.seconds)
+    return None
 
 
 def judge_unfixed(repro: Repro, result: IsolatedResult, device: str) -> PathOutcome:
+    if (skip := _skipped(result)) is not None:
+        return skip
     sig = repro.matching_signature(result, device)
     if sig is not None:
-        return PathOutcome("reproduced", _failure_text(result), result.seconds)
+        return PathOutcome("reproduced", failure_text(result), result.seconds)
     if result.ok:
         return PathOutcome("not-reproduced", "unfixed path completed", result.seconds)
     expected = " | ".join(s.describe() for s in repro.signatures if device in s.devices)
     return PathOutcome(
-        "wrong-failure", f"{_failure_text(result)} (expected {expected})", result.seconds
+        "wrong-failure", f"{failure_text(result)} (expected {expected})", result.seconds
     )
 
 
 def judge_fixed(result: IsolatedResult) -> PathOutcome:
+    if (skip := _skipped(result)) is not None:
+        return skip
     if result.ok:
         return PathOutcome("passed", "completed", result.seconds)
-    return PathOutcome("failed", _failure_text(result), result.seconds)
+    return PathOutcome("failed", failure_text(result), result.seconds)
+
+
+def skip_reason(repro: Repro, device: str) -> str | None:
+    """Why ``repro`` cannot run on ``device`` here, known before starting it; None if it can."""
+    if device not in repro.devices:
+        return f"no {device} variant"
+    if missing := repro.missing_requirements():
+        return "missing " + ", ".join(missing)
+    return None
 
 
 def run_repro(repro: Repro, device: str) -> ReproOutcome:
     """Both paths of ``repro`` on ``device``; skipped (with the reason) when it cannot run."""
-    reason = None
-    if device not in repro.devices:
-        reason = f"no {device} variant"
-    elif missing := repro.missing_requirements():
-        reason = "missing " + ", ".join(missing)
+    reason = skip_reason(repro, device)
     if reason is not None:
         skip = PathOutcome("skipped", reason, 0.0)
         return ReproOutcome(repro.name, device, skip, skip)

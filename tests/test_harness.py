@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from repro import Repro, Signature, discover, run_isolated
-from repro.registry import EXCEPTION_MARKER
-from repro.runner import judge_fixed, judge_unfixed
+from repro.__main__ import TABLE_WIDTH, exit_status, summary, table
+from repro.registry import EXCEPTION_MARKER, SKIP_EXIT_CODE, SKIP_MARKER
+from repro.runner import PathOutcome, ReproOutcome, judge_fixed, judge_unfixed
 
 pytestmark = pytest.mark.cpu
 
@@ -62,11 +63,14 @@ def test_signature_matches_exception_in_mro_and_message():
     assert judge_unfixed(repro, _result(0), "cpu").status == "not-reproduced"
 
 
-def test_failure_detail_is_one_line():
+def test_failure_detail_is_whole_and_its_table_row_one_line():
     repro = _fake_repro(Signature(exception="RuntimeError"))
-    stderr = _exc_stderr(["SpmdTypeError", "RuntimeError"], "requires an active mesh.\n\n   Use set_mesh()")
-    detail = judge_unfixed(repro, _result(1, stderr), "cpu").detail
-    assert detail == "SpmdTypeError: requires an active mesh. Use set_mesh()"
+    message = "requires an active mesh.\n\n   Use set_mesh()" + " more" * 60
+    stderr = _exc_stderr(["SpmdTypeError", "RuntimeError"], message)
+    path = judge_unfixed(repro, _result(1, stderr), "cpu")
+    assert path.detail == "SpmdTypeError: " + message  # whole, for --json
+    row = table([ReproOutcome("x", "cpu", path, PathOutcome("passed", "completed", 0.0))])
+    assert "requires an active mesh. Use set_mesh() more" in row and len(row.splitlines()) == 3
 
 
 def test_signature_by_signal_and_device():
@@ -74,12 +78,68 @@ def test_signature_by_signal_and_device():
                         Signature(stderr="an illegal memory access", devices=("cuda",)))
     assert judge_unfixed(repro, _result(-11), "cpu").status == "reproduced"
     assert judge_unfixed(repro, _result(-11), "cuda").status == "wrong-failure"
-    assert judge_unfixed(repro, _result(1, "CUDA error: an illegal memory access"), "cuda").good
+    cuda = judge_unfixed(repro, _result(1, "CUDA error: an illegal memory access"), "cuda")
+    assert cuda.status == "reproduced"
 
 
 def test_fixed_path_must_exit_zero():
     assert judge_fixed(_result(0)).status == "passed"
     assert judge_fixed(_result(-11)).status == "failed"
+
+
+def test_a_child_that_cannot_run_is_skipped_with_its_reason_never_good():
+    repro = _fake_repro(Signature(signal=signal.SIGSEGV))
+    child = _result(SKIP_EXIT_CODE, "x\n" + SKIP_MARKER + "verl 0.8.0 is not installed")
+    for path in (judge_unfixed(repro, child, "cpu"), judge_fixed(child)):
+        assert (path.status, path.detail) == ("skipped", "verl 0.8.0 is not installed")
+    # The exit code alone is not a skip: a crash that happens to exit 77 stays a failure.
+    assert judge_fixed(_result(SKIP_EXIT_CODE)).status == "failed"
+
+
+def _outcome(name, unfixed, fixed, detail="d", device="cpu"):
+    return ReproOutcome(name, device, PathOutcome(unfixed, detail, 1.0),
+                        PathOutcome(fixed, detail, 1.0))
+
+
+def test_outcome_status_and_exit_codes():
+    good = _outcome("a", "reproduced", "passed")
+    novariant = _outcome("b", "skipped", "skipped", "no cpu variant")
+    missing = _outcome("c", "skipped", "skipped", "missing verl")
+    half = _outcome("d", "reproduced", "skipped", "needs 2 GPUs")
+    bad = _outcome("e", "reproduced", "failed")
+    assert [o.status for o in (good, novariant, missing, half, bad)] == [
+        "good", "skipped", "skipped", "skipped", "bad"]
+    assert good.as_dict()["status"] == "good" and "good" not in missing.as_dict()
+    assert exit_status([good, novariant, missing], asked=[], strict=False) == 0
+    assert exit_status([good, novariant], asked=[], strict=True) == 0  # no variant: not asked
+    assert exit_status([good, missing], asked=[], strict=True) == 3
+    assert exit_status([novariant], asked=["b"], strict=False) == 3
+    assert exit_status([missing, bad], asked=["c"], strict=False) == 1
+    text = summary([good, novariant, bad])
+    assert text.startswith("1 good, 1 bad, 1 skipped") and "b (no cpu variant)" in text
+
+
+def test_table_fits_its_width_and_keeps_names_whole():
+    long = _outcome("shared-view-reclaim-megatron", "reproduced", "passed", "RuntimeError: " + "x" * 500)
+    for line in table([long, _outcome("a", "skipped", "skipped", "no cpu variant")]).splitlines():
+        assert len(line) <= TABLE_WIDTH
+    assert "shared-view-reclaim-megatron" in table([long])
+
+
+def test_cli_reports_a_skipped_repro_as_skipped_and_exits_3(tmp_path):
+    out = tmp_path / "o.json"
+    res = run_isolated(module="repro", timeout=120,
+                       args=["--only", "mesh-recompute-device-thread", "--json", str(out)])
+    assert res.returncode == 3, res.stderr
+    assert "0 good, 0 bad, 1 skipped" in res.stdout and "no cpu variant" in res.stdout
+    assert "[skipped]" in res.stderr
+    assert [o["status"] for o in json.loads(out.read_text())] == ["skipped"]
+
+
+def test_cli_rejects_an_unwritable_json_path_before_running_anything(tmp_path):
+    res = run_isolated(module="repro", timeout=120,
+                       args=["--only", "mesh-recompute", "--json", str(tmp_path / "no" / "o.json")])
+    assert res.returncode == 2 and "does not exist" in res.stderr and "[" not in res.stderr
 
 
 def test_bad_declarations_raise_value_error():

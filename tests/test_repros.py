@@ -24,11 +24,17 @@ def _skip_if_missing(repro):
         pytest.skip(f"{repro.name} needs {', '.join(missing)} (not installed)")
 
 
+def _skip_if_child_skipped(outcome):
+    if outcome.status == "skipped":  # the child raised repro.Skipped: it could not run here
+        pytest.skip(outcome.detail)
+
+
 @pytest.mark.parametrize("repro,device", CASES)
 def test_unfixed_path_reproduces_the_crash(repro, device):
     _skip_if_missing(repro)
     result = run_path(repro, fixed=False, device=device)
     outcome = judge_unfixed(repro, result, device)
+    _skip_if_child_skipped(outcome)
     assert outcome.status == "reproduced", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
 
 
@@ -37,4 +43,5 @@ def test_fixed_path_passes(repro, device):
     _skip_if_missing(repro)
     result = run_path(repro, fixed=True, device=device)
     outcome = judge_fixed(result)
+    _skip_if_child_skipped(outcome)
     assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
