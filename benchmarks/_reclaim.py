@@ -8,9 +8,10 @@ strategy, with and without a chunked MTP-like input.
   layer gets ``make_viewless_tensor(torch.chunk(h, 2, -1)[1])`` -- storage shared with ``h`` --
   through its own checkpoint, whose backward runs before ``contract``'s.
 
-Every layer leaks as MoE's ``unpermute`` did (Megatron-LM #3221, the reason verl reclaims at all,
-verl #5251): its recompute leaves a reference cycle around its detached input, so the input and
-its grad stay allocated after backward unless a reclaim releases their storage.
+Every layer leaks as MoE did (Megatron-LM #3221 / #5227, the reason verl reclaims at all, verl
+#5251): its recompute keeps an intermediate on the module (``repro.harness.leaks``), whose graph
+holds the detached input and its grad, so both stay allocated after backward unless a reclaim
+releases them.
 
 Strategies (``repro.shared_view_reclaim.install_reclaim`` installs each):
 ``none`` (megatron as shipped), ``unsafe`` (verl #5251: ``resize_(0)`` every requires-grad
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from repro.harness.leaks import ModuleStateLeak
 
 VARIANTS = ("plain", "chunked-mtp")
 STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
@@ -58,25 +61,17 @@ def megatron_unavailable() -> str | None:
     return None
 
 
-class _Cycle:
-    """The leak: a self-referencing object holding the recompute's detached input (as MoE's
-    unpermute state did); it lives on until the step's leaks are dropped."""
-
-    def __init__(self, t: torch.Tensor):
-        self.me, self.t = self, t
-
-
 class _Layer(nn.Module):
-    def __init__(self, hidden: int, ffn: int, leaks: list):
+    def __init__(self, hidden: int, ffn: int, leaks: ModuleStateLeak):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
         self.leaks = leaks
 
     def forward(self, x):
-        if torch.is_grad_enabled():  # the recompute (the checkpointed forward runs in no_grad)
-            self.leaks.append(_Cycle(x))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        out = x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        self.leaks.keep(out)  # in the recompute only (the checkpointed forward runs in no_grad)
+        return out
 
 
 class MultiTokenPredictionLayer(_Layer):
@@ -94,7 +89,7 @@ class ReclaimSetup:
     mix: nn.Parameter | None
     mtp: MultiTokenPredictionLayer | None
     x: torch.Tensor
-    leaks: list = field(default_factory=list)
+    leaks: ModuleStateLeak = field(default_factory=ModuleStateLeak)
 
     @property
     def track(self):
@@ -151,7 +146,7 @@ def build(variant: str, strategy: str, device: torch.device) -> ReclaimSetup:
     install_reclaim(_INSTALL[strategy])
     s = SIZES
     torch.manual_seed(SEED)
-    leaks: list = []
+    leaks = ModuleStateLeak()
     layers = nn.ModuleList(_Layer(s["hidden"], s["ffn"], leaks) for _ in range(s["layers"])).to(device)
     proj = mix = mtp = None
     if variant == "chunked-mtp":

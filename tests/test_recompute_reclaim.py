@@ -5,13 +5,13 @@ reads freed memory: that must kill a child, not the pytest worker); the child on
 storages through weak references (size 0 or expired = released), never by reading them.
 Generated alias graphs: a base ``h``, a random chain of view ops to the checkpoint input, an
 optional ``.data`` alias (make_viewless_tensor), readers that save an alias for a later
-backward, aliases kept alive by the test, and a reference cycle around the checkpoint's
-detached input (the MoE ``unpermute`` leak, Megatron-LM #3221).
+backward, aliases kept alive by the test, a module caching its recompute input (a reader), and
+the recompute leak (Megatron-LM #3221 / #5227: the module keeps a recompute intermediate, whose
+graph holds the checkpoint's detached input and its grad).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import subprocess
@@ -31,9 +31,9 @@ from fixes.megatron import (
     recompute_reclaim_events,
     remove_recompute_reclaim_patch,
 )
-from fixes.megatron import reclaim as reclaim_mod
 from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch, remove_unsafe_reclaim_patch
 from repro import run_isolated
+from repro.harness.leaks import ModuleStateLeak
 from repro.shared_view_reclaim import ViewlessAlias
 
 TARGET = tcp.CheckpointFunction
@@ -53,13 +53,6 @@ VIEW_OPS = {
 }
 
 
-class _Cycle:
-    """The leak: an object in a reference cycle holding the checkpoint's detached input."""
-
-    def __init__(self, t):
-        self.me, self.t = self, t
-
-
 alias_graphs = st.fixed_dictionaries({
     "chain": st.lists(st.sampled_from(sorted(VIEW_OPS)), min_size=0, max_size=4),
     "viewless": st.booleans(),
@@ -67,6 +60,7 @@ alias_graphs = st.fixed_dictionaries({
     "readers": st.lists(st.booleans(), min_size=5, max_size=5),
     "kept": st.lists(st.booleans(), min_size=5, max_size=5),
     "leak": st.booleans(),
+    "cache": st.booleans(),
 })
 
 
@@ -74,6 +68,21 @@ def _released(weak_storage) -> bool:
     if torch.UntypedStorage._expired(weak_storage):
         return True
     return torch.UntypedStorage._new_with_weak_ptr(weak_storage).nbytes() == 0
+
+
+class _Leaks(ModuleStateLeak):
+    """The recompute leak, plus what the invariants look at: weak refs to the leaked detached
+    inputs, and the recompute inputs a module cached (readers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list = []
+        self.cache: list = []
+
+    def clear(self):
+        super().clear()
+        self.copies.clear()
+        self.cache.clear()
 
 
 def _step(graph, params, x, leaks):
@@ -90,11 +99,13 @@ def _step(graph, params, x, leaks):
     inp = ViewlessAlias.apply(chain[-1]) if graph["viewless"] else chain[-1]
 
     def segment(t):
-        if graph["leak"] and torch.is_grad_enabled():
-            # the recompute (grad on) builds a cycle around its detached input, as MoE's
-            # unpermute did; gc is off, so it lives on
-            leaks.append(_Cycle(t))
-        return seg(t).tanh()
+        out = seg(t).tanh()
+        if graph["leak"] and torch.is_grad_enabled():  # the recompute keeps an intermediate
+            leaks.keep(out)
+            leaks.copies.append(weakref.ref(t))
+        if graph["cache"] and torch.is_grad_enabled():  # a module caching its input: a reader
+            leaks.cache.append(t)
+        return out
 
     out = tcp.checkpoint(segment, inp, use_reentrant=True)
     kept = [t for i, t in enumerate(chain) if graph["kept"][i]]
@@ -135,10 +146,11 @@ def check_reclaim_invariants(graph, device="cpu"):
     """The invariants of one generated graph (runs in the child)."""
     params = _params(device)
     x = torch.randn(4, 8, device=device)
-    leaks: list = []
+    leaks = _Leaks()
     remove_recompute_reclaim_patch(TARGET)
     _step(graph, params, x, leaks)
     reference = _grads(params)
+    cached_ref = [t.detach().clone() for t in leaks.cache]
     leaks.clear()
 
     apply_recompute_reclaim_patch(TARGET)
@@ -153,7 +165,7 @@ def check_reclaim_invariants(graph, device="cpu"):
 
     n_chain = len(graph["chain"]) + 1
     has_reader = any(graph["readers"][:n_chain])
-    has_kept = bool(kept)
+    has_kept = bool(kept) or graph["cache"]
     input_events = [e.action for e in events if e.role == "input"]
     # 1. Never released under a reader that has not run, or under a live outside alias.
     if has_reader or has_kept:
@@ -165,14 +177,16 @@ def check_reclaim_invariants(graph, device="cpu"):
     # 2. By the end of the pass: released unless the test still holds an alias of it.
     if has_kept:
         assert not _released(weak_h), "storage released under a live alias"
-        assert all(t.untyped_storage().nbytes() > 0 for t in kept)
+        assert all(t.untyped_storage().nbytes() > 0 for t in kept + leaks.cache)
+        for t, ref in zip(leaks.cache, cached_ref, strict=True):
+            assert torch.equal(t.detach(), ref) and t.grad is not None  # readable, grad kept
     else:
         assert _released(weak_h), f"storage only the checkpoint owned was not released: {events}"
-    # 3. The leak: the cycle's detached input (and its grad) lost their memory all the same.
+    # 3. The leak: the leaked detached input (and its grad) lost their memory all the same.
     if graph["leak"] and not has_kept:
-        (cycle,) = leaks
-        assert cycle.t.untyped_storage().nbytes() == 0
-        assert cycle.t.grad is None or cycle.t.grad.untyped_storage().nbytes() == 0
+        (copy,) = [ref() for ref in leaks.copies]
+        assert copy is not None and copy.untyped_storage().nbytes() == 0
+        assert copy.grad is None or copy.grad.untyped_storage().nbytes() == 0
 
 
 @settings(settings.get_profile("stackfix-reclaim"))
@@ -218,7 +232,7 @@ def test_the_batch_catches_the_unsafe_reclaim():
         "from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch\n"
         "t.apply_recompute_reclaim_patch = apply_unsafe_reclaim_patch\n"
         "g = dict(chain=['chunk'], viewless=True, readers=[True] + [False] * 4,"
-        " kept=[False] * 5, leak=False)\n"
+        " kept=[False] * 5, leak=False, cache=False)\n"
         "t.check_reclaim_invariants(g)\n"
     )
     r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent))
@@ -226,58 +240,33 @@ def test_the_batch_catches_the_unsafe_reclaim():
 
 
 @pytest.mark.cpu
-def test_leak_cycle_input_is_released_by_end_of_backward():
+def test_leaked_recompute_input_is_released_at_once():
     # In-process (no reader, nothing shared: nothing can read freed memory).
-    gc.disable()
+    graph = dict(chain=[], viewless=True, readers=[False] * 5, kept=[False] * 5, leak=True,
+                 cache=False)
+    params, x, leaks = _params("cpu"), torch.randn(4, 8), _Leaks()
     try:
-        graph = dict(chain=[], viewless=True, readers=[False] * 5, kept=[False] * 5, leak=True)
-        params, x, leaks = _params("cpu"), torch.randn(4, 8), []
-        # Without the reclaim the cycle keeps the memory: the leak the reclaim exists for.
-        # (This first call also lets torch import dynamo under checkpoint(): that import
-        # keeps the calling frame - and with it the input - alive once, a real foreign holder.)
+        # Without the reclaim the kept intermediate's graph keeps the detached input and its
+        # grad: the leak the reclaim exists for.
         _step(graph, params, x, leaks)
-        (cycle,) = leaks
-        assert cycle.t.untyped_storage().nbytes() == 4 * 8 * 4
-        assert cycle.t.grad is not None and cycle.t.grad.untyped_storage().nbytes() == 4 * 8 * 4
+        (copy,) = [ref() for ref in leaks.copies]
+        assert copy.untyped_storage().nbytes() == 4 * 8 * 4
+        assert copy.grad is not None and copy.grad.untyped_storage().nbytes() == 4 * 8 * 4
+        del copy
         leaks.clear()
         apply_recompute_reclaim_patch(TARGET)
         with recompute_reclaim_events() as events:
             _step(graph, params, x, leaks)
-        (cycle,) = leaks
-        assert cycle.t.untyped_storage().nbytes() == 0, events  # alive, memory gone
+        (copy,) = [ref() for ref in leaks.copies]
+        assert copy.untyped_storage().nbytes() == 0, events  # alive, memory gone
         # The grad was handed to autograd, never resized; the leaked copy no longer holds it,
         # so reference counting freed it once the previous layer had consumed it.
-        assert cycle.t.grad is None, events
+        assert copy.grad is None, events
         (grad_event,) = [e for e in events if e.role == "grad"]
         assert grad_event.action == "dropped" and grad_event.nbytes == 4 * 8 * 4
         assert [e.action for e in events if e.role == "input"] == ["released"]
     finally:
         remove_recompute_reclaim_patch(TARGET)
-        gc.enable()
-
-
-@pytest.mark.cpu
-def test_deferred_check_runs_at_once_outside_a_backward_pass():
-    # No engine graph task (queue_callback refuses): the deferred entries are settled at once.
-    gc.disable()
-    try:
-        dead = torch.randn(3)
-        subject = weakref.ref(dead)
-        del dead
-        held = torch.randn(3)  # a live name: never released
-        cycle = _Cycle(torch.randn(3))  # only a reference cycle holds the copy: released
-        weak = cycle.t.untyped_storage()._weak_ref()
-        entries = [
-            reclaim_mod._Deferred("input", reclaim_mod.storage_key(held), weakref.ref(held), None),
-            reclaim_mod._Deferred("input", reclaim_mod.storage_key(cycle.t), subject,
-                                  weakref.ref(cycle.t)),
-        ]
-        with recompute_reclaim_events() as events:
-            reclaim_mod._at_end_of_backward(entries)
-        assert [e.action for e in events] == ["kept", "released-deferred"] and not entries
-        assert held.untyped_storage().nbytes() == 12 and _released(weak)
-    finally:
-        gc.enable()
 
 
 @pytest.mark.cpu

@@ -9,21 +9,26 @@ view (made viewless with ``make_viewless_tensor``) of a tensor that another auto
 for its own, later backward, that node reads freed memory — SIGSEGV on CPU, CUDA illegal memory
 access on GPU. verl's fix skips MTP layers by class name, and so gives that memory back up.
 
-This module *wraps* the installed backward (no copy of its body) and decides per storage:
+This module *wraps* the installed backward (no copy of its body) and releases a storage only
+when nothing that can still read it is alive. Readers are: other tensors on the storage (views,
+chunks, ``.data`` aliases: ``is_storage_exclusive``), C++ holders of the input (a node that saved
+it for a later backward), and Python references to the input *or* to the checkpoint's detached
+copy (a module caching its recompute input). Not a reader: the recompute graph, whose backward
+has run, holding the detached copy and its ``.grad`` through its ``AccumulateGrad`` node. That
+is the leak (Megatron-LM #3221 / #5197, #5227: a module attribute keeps a recompute intermediate
+alive, and with it that graph), so the savings are kept:
 
-* the storage only the checkpoint owns (``is_storage_exclusive`` with the checkpoint's private
-  detached copy as the owner, its saved slot accounted for, and no foreign Python reference)
-  is released right after the wrapped backward returns, as verl's reclaim does;
-* the grad the backward returns is never resized (autograd is about to hand it to the previous
-  layer); the detached copy's ``.grad`` slot, its only other holder and what a reference cycle
-  would leak, is emptied instead, so reference counting frees it once autograd is done with it;
-* any other input storage — shared with a chunk sibling or base, or saved by another node —
-  is deferred. It is re-examined when
-  the backward pass ends (``Variable._execution_engine.queue_callback``: every node of the
-  graph has run and released what it saved): released if by then only the checkpoint's own
-  copies (e.g. a reference cycle around the detached input) still hold it; left alone if a
-  live foreign holder remains (that holder frees it by reference counting once it is gone).
-  Outside a backward pass (no graph task) the deferred check runs at once.
+* an input only the checkpoint and its recompute graph hold is released right after the wrapped
+  backward returns, as verl's reclaim does; the detached copy's ``.grad`` slot is emptied (the
+  grad itself is handed to the previous layer and never resized), so the leaked graph no longer
+  keeps it;
+* any other input is deferred to the end of the backward pass
+  (``Variable._execution_engine.queue_callback``: every node has run and released what it
+  saved), then released if only the checkpoint's own copies still hold it, else kept. If a
+  Python object still references the detached copy then, one ``gc.collect()`` tells an
+  unreachable reference cycle (collected: its memory goes) from a live holder (kept, untouched,
+  its ``.grad`` too). Outside a backward pass the deferred check runs at once;
+* with ``retain_graph=True`` nothing is touched: a second backward recomputes from the inputs.
 
 The checkpoint's detached inputs are observed by wrapping ``ctx.run_function`` for the
 duration of the call — the recompute hands them to it — so nothing probes closures or class
@@ -34,14 +39,12 @@ Works with any reentrant checkpoint Function whose backward recomputes through
 ``ctx.run_function(*detached_inputs)`` and returns ``(None, None, *grads)``: megatron-core's
 ``tensor_parallel.random.CheckpointFunction`` (0.16.1, 0.19.2) by default, and PyTorch's
 ``torch.utils.checkpoint.CheckpointFunction`` (``use_reentrant=True``) for torch-only tests.
-
-Assumption shared with verl's reclaim: the backward runs with ``retain_graph=False`` (a second
-backward through the same checkpoint would find its inputs released).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -67,12 +70,13 @@ PATCH_KIND = "alias-aware"
 class ReclaimEvent:
     """One decision of a reclaim: what happened to one storage, and when.
 
-    ``action``: ``released`` (resize_(0) now), ``deferred`` (shared: looked at again at the end
-    of the backward pass), ``released-deferred`` (released then), ``kept`` (a foreign holder
-    still lives at the end of the pass), ``gone`` (nothing of it was alive any more at the end:
-    reference counting freed it), ``dropped`` (a grad: the checkpoint's own reference to it was
-    let go; reference counting frees it once autograd has consumed it). ``role`` is ``input``
-    or ``grad``.
+    ``action``: ``released`` (resize_(0) now), ``deferred`` (shared or referenced: looked at
+    again at the end of the backward pass), ``released-deferred`` (released then), ``kept`` (a
+    live holder remains at the end of the pass), ``gone`` (nothing of it was alive any more at
+    the end: reference counting or the cycle collector freed it), ``dropped`` (a grad: the
+    checkpoint's own reference to it was let go; reference counting frees it once autograd has
+    consumed it), ``retained`` (``retain_graph=True``: left alone for the next backward).
+    ``role`` is ``input`` or ``grad``.
     """
 
     action: str
@@ -165,22 +169,32 @@ def _weak(t: torch.Tensor | None) -> weakref.ref | None:
     return None if t is None else weakref.ref(t)
 
 
+def _alive(entry: _Deferred) -> list:
+    """[input, copy] of ``entry`` still alive and still on its storage (None where not)."""
+    pair = [entry.subject(), entry.copy() if entry.copy is not None else None]
+    # The input and its detached copy share one storage, unless something swapped it since.
+    return [t if t is not None and storage_key(t) == entry.key else None for t in pair]
+
+
+def _python_held(pair: list) -> bool:
+    """Does any Python object besides ``pair`` reference the input or the copy?"""
+    # Index, not element, in the loop: a loop variable bound to a tensor is one more reference.
+    return any(pair[i] is not None and python_refs_beyond(pair, i) for i in range(len(pair)))
+
+
 def _settle(entry: _Deferred) -> None:
     """End of the backward pass: release ``entry``'s storage if only the checkpoint holds it."""
-    # Exactly one reference of ours to each while the foreign Python references are counted.
-    pair = [entry.subject(), entry.copy() if entry.copy is not None else None]
-    foreign_py = python_refs_beyond(pair, 0) if pair[0] is not None else 0
-    # The input and its detached copy share one storage, unless something swapped it since.
-    pair = [t if t is not None and storage_key(t) == entry.key else None for t in pair]
+    pair = _alive(entry)
     if pair == [None, None]:
         _emit("gone", entry.role, entry.key, 0)
         return
-    if pair[0] is not None:
-        owners = () if pair[1] is None else (pair[1],)
-        ok = foreign_py == 0 and is_storage_exclusive(pair[0], owners)
+    if _python_held(pair):
+        ok = False  # a live holder (the cycle collector has run): a reader
+    elif pair[0] is not None:
+        ok = is_storage_exclusive(pair[0], () if pair[1] is None else (pair[1],))
     else:
-        # Only the detached copy is left (e.g. kept by a reference cycle): all its holders are
-        # the checkpoint's own, so only other TensorImpls on the storage count.
+        # Only the detached copy is left, held by the recompute graph: only other TensorImpls
+        # on its storage count.
         ok = is_storage_exclusive(pair[1], saved_refs=pair[1]._use_count())
     survivor = pair[0] if pair[0] is not None else pair[1]
     if not ok:
@@ -190,6 +204,10 @@ def _settle(entry: _Deferred) -> None:
 
 
 def _settle_all(entries: list[_Deferred]) -> None:
+    # A Python reference to an input or its copy is either a live holder or an unreachable
+    # reference cycle; only the cycle collector tells them apart. One pass, only when needed.
+    if any(_python_held(_alive(e)) for e in entries):
+        gc.collect()
     for entry in entries:
         _settle(entry)
     entries.clear()
@@ -224,26 +242,34 @@ def _drop_grad_slot(copy: torch.Tensor) -> None:
 
 def _reclaim(saved: list, copies: list) -> None:
     """For each requires-grad input: release its storage now or defer; drop its grad slot."""
-    # Before anything else binds them: foreign Python references to the inputs.
-    foreign_py = [python_refs_beyond(saved, i) for i in range(len(saved))]
+    # Before anything else binds them: Python references to the inputs and to the detached
+    # copies beyond these two lists (a cache holding the copy is a reader).
+    foreign = [python_refs_beyond(saved, i) + python_refs_beyond(copies, i)
+               for i in range(len(saved))]
     deferred: list[_Deferred] = []
     for i in range(len(saved)):
         if not saved[i].requires_grad:
-            continue  # masks, rotary tables: shared by every layer, never freed: freeing them crashes the next layer's recompute
-        copy = copies[i] if i < len(copies) else None
+            continue  # masks, rotary tables: every layer reads them; freeing crashes the next recompute
+        copy = copies[i]
         key = storage_key(saved[i])
         # saved_refs=1: the checkpoint's own saved slot; the node releases it after we return.
-        if foreign_py[i] == 0 and is_storage_exclusive(
-            saved[i], owners=() if copy is None else (copy,), saved_refs=1
-        ):
+        if foreign[i] == 0 and is_storage_exclusive(saved[i], owners=(copy,), saved_refs=1):
             release_storage(saved[i], "input")
         else:
             _emit("deferred", "input", key, saved[i].untyped_storage().nbytes())
-            deferred.append(_Deferred("input", key, weakref.ref(saved[i]), _weak(copy)))
-        if copy is not None and copy.grad is not None:
+            deferred.append(_Deferred("input", key, weakref.ref(saved[i]), weakref.ref(copy)))
+        if foreign[i] == 0 and copy.grad is not None:
             _drop_grad_slot(copy)
     if deferred:
         _at_end_of_backward(deferred)
+
+
+def _graph_retained() -> bool:
+    """True inside a backward pass run with ``retain_graph=True`` (its nodes run again)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep_graph is None or torch._C._current_graph_task_id() == -1:
+        return keep_graph is None  # cannot tell on this torch: assume retained (release nothing)
+    return keep_graph()
 
 
 def _alias_aware(backward: Callable) -> Callable:
@@ -252,9 +278,16 @@ def _alias_aware(backward: Callable) -> Callable:
         saved = tensor_args(ctx.saved_tensors)
         result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
         copies = tensor_args(recompute_args)
-        if len(copies) == len(saved):
+        del recompute_args  # our one reference to the copies is ``copies``
+        if len(copies) != len(saved):
+            pass  # not the expected recompute: leave everything alone
+        elif _graph_retained():
+            for t in saved:
+                if t.requires_grad:
+                    _emit("retained", "input", storage_key(t), t.untyped_storage().nbytes())
+        else:
             _reclaim(saved, copies)
-        del saved, copies, recompute_args
+        del saved, copies
         return result
 
     return alias_aware_backward
