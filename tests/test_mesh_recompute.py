@@ -331,6 +331,20 @@ def test_policy_validation_names_the_allowed_values():
     assert mesh_preserving(wrapped) is wrapped  # idempotent
 
 
+@pytest.mark.cpu
+def test_wrapping_with_an_explicit_mesh_twice_wraps_once(mesh):
+    # Review finding: with mesh=... every call added one more layer of wrapping.
+    blocks, _, _ = _checkpoint_wrapped_model("selective")
+    make_checkpoint_wrappers_mesh_preserving(blocks, mesh=mesh)
+    first = [b.checkpoint_fn.keywords["context_fn"] for b in blocks]
+    make_checkpoint_wrappers_mesh_preserving(blocks, mesh=mesh)
+    again = [b.checkpoint_fn.keywords["context_fn"] for b in blocks]
+    for fn_first, fn_again in zip(first, again, strict=True):
+        # One mesh-preserving layer over the same original context_fn, not one over another.
+        assert fn_again.__wrapped__ is fn_first.__wrapped__
+        assert not getattr(fn_again.__wrapped__, "_stackfix_mesh_preserving", False)
+
+
 def _checkpoint_wrapped_model(kind: str):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,

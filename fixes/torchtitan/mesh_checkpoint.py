@@ -209,14 +209,17 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
     """Wrap an existing checkpoint ``context_fn`` so its recompute context re-enters the spmd
     mesh that was current when the checkpointed forward ran (or ``mesh``, a named
     ``DeviceMesh``, if given). With no mesh at forward time the wrapped contexts are
-    returned unchanged. Wrapping twice is a no-op."""
+    returned unchanged. Wrapping twice is a no-op; wrapping again with a ``mesh`` replaces the
+    mesh of the one wrapping layer (never nests)."""
     if not callable(context_fn):
         raise ValueError(
             f"context_fn must be a callable returning (forward_ctx, recompute_ctx), "
             f"got {type(context_fn).__name__}"
         )
-    if getattr(context_fn, _MARK, False) and mesh is None:
-        return context_fn
+    if getattr(context_fn, _MARK, False):
+        if mesh is None:
+            return context_fn
+        context_fn = context_fn.__wrapped__  # re-wrap the original with the given mesh
 
     def context_fn_with_mesh():
         forward_ctx, recompute_ctx = context_fn()
