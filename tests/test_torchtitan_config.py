@@ -133,8 +133,42 @@ def test_activation_checkpoint_maps_to_torchtitan_ac_config(mode, cls_name):
         assert type(ac).__qualname__ == f"{cls_name}.Config"
 
 
+def test_context_parallel_is_rejected_not_silently_ignored():
+    # Review finding: cp=2 was accepted and trained on unsharded sequences.
+    with pytest.raises(ValueError, match="cp=2 is not supported; allowed: 1"):
+        TorchtitanEngineConfig(cp=2)
+
+
+@pytest.mark.parametrize("torch_version,ok", [("2.13.0+cpu", False), ("2.11.0+cu130", False),
+                                              ("2.14.1", True), ("2.15.0", True)])
+def test_fsdp_under_spmd_types_needs_torch_2_14(torch_version, ok):
+    from fixes.torchtitan.config import check_fsdp_supported
+
+    check_fsdp_supported("spmd_types", 1, torch_version)  # no FSDP: always fine
+    check_fsdp_supported("full_dtensor", 2, torch_version)  # not spmd_types: fine
+    if ok:
+        check_fsdp_supported("spmd_types", 2, torch_version)
+    else:
+        with pytest.raises(ValueError, match=r"needs torch >= 2\.14; torch .* rejects it") as err:
+            check_fsdp_supported("spmd_types", 2, torch_version)
+        assert torch_version in str(err.value) and "full_dtensor" in str(err.value)
+
+
+def test_config_checks_fsdp_support_against_the_running_torch():
+    import torch
+
+    from fixes.torchtitan.config import FSDP_WITH_SPMD_TYPES_TORCH, _release
+
+    if _release(torch.__version__) >= FSDP_WITH_SPMD_TYPES_TORCH:
+        TorchtitanEngineConfig(dp_shard=2, spmd_backend="spmd_types")
+    else:
+        with pytest.raises(ValueError, match="needs torch >= 2.14"):
+            TorchtitanEngineConfig(dp_shard=2, spmd_backend="spmd_types")
+
+
 def test_parallel_sizes_reach_parallelism_config():
-    p = TorchtitanEngineConfig(dp_shard=2, dp_replicate=3, tp=4, cp=5, ep=6, sequence_parallel=False).parallelism_config()
+    p = TorchtitanEngineConfig(dp_shard=2, dp_replicate=3, tp=4, cp=1, ep=6, sequence_parallel=False,
+                               spmd_backend="full_dtensor").parallelism_config()
     assert p.enable_sequence_parallel is False
     assert (
         p.data_parallel_shard_degree,
@@ -143,7 +177,7 @@ def test_parallel_sizes_reach_parallelism_config():
         p.context_parallel_degree,
         p.expert_parallel_degree,
         p.pipeline_parallel_degree,
-    ) == (2, 3, 4, 5, 6, 1)
+    ) == (2, 3, 4, 1, 6, 1)
 
 
 def test_optimizer_config_is_param_group_configs_first_match_order():

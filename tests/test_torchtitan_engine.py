@@ -284,23 +284,23 @@ _TP2_CLIP_WORKER = r'''
 import json, sys
 import torch, torch.distributed as dist
 from fixes.torchtitan.config import TorchtitanEngineConfig
-from fixes.torchtitan.engine import MicroBatch, TorchtitanEngine
+from fixes.torchtitan.engine import MicroBatch, TorchtitanEngine, canonical_param_name
 
-norm_kind, out_path = sys.argv[1], sys.argv[2]
+norm_kind, sp, out_path = sys.argv[1], sys.argv[2] == "sp", sys.argv[3]
 dist.init_process_group("gloo")
-cfg = TorchtitanEngineConfig(tp=2, dp_shard=1, sequence_parallel=False, attn_type="sdpa",
+cfg = TorchtitanEngineConfig(tp=2, dp_shard=1, sequence_parallel=sp, attn_type="sdpa",
                              spmd_backend="spmd_types", activation_checkpoint="selective", seed=0)
 engine = TorchtitanEngine(cfg, name="llama3", flavor="debugmodel", seq_len=16, device="cpu")
 if norm_kind == "per-rank":  # the control: each rank clips by its own local norm
     engine._tp_total_norm = lambda: torch.nn.utils.get_total_norm(
         [p.grad for p in engine.model.parameters() if p.grad is not None])
 batch = [MicroBatch(torch.randint(0, 2048, (1, 17), generator=torch.Generator().manual_seed(0)))]
-norms = []
+norms, losses = [], []
 for _ in range(2):  # max_norm 1.0 < the norm (~4.4): every step clips
-    engine.forward_backward_batch(batch)
+    losses.append(float(engine.forward_backward_batch(batch).loss))
     norms.append(engine.optimizer_step())
 replicated = {n: p.detach().clone() for n, p in engine.model.named_parameters()
-              if p.numel() == engine._full_numel[n.replace("._checkpoint_wrapped_module", "")]}
+              if p.numel() == engine._full_numel[canonical_param_name(n)]}
 gathered = [None, None]
 dist.all_gather_object(gathered, {"norms": norms, "replicated": replicated})
 if dist.get_rank() == 0:
@@ -308,20 +308,21 @@ if dist.get_rank() == 0:
     drift = max(float((a["replicated"][k] - b["replicated"][k]).abs().max()) for k in a["replicated"])
     with open(out_path, "w") as f:
         json.dump({"norms": [a["norms"], b["norms"]], "replicated": len(a["replicated"]),
-                   "drift": drift}, f)
+                   "drift": drift, "losses": losses}, f)
 dist.destroy_process_group()
 '''
 
 
-def _run_tp2_clip(norm_kind: str, tmp_path) -> dict:
+def _run_tp2_clip(norm_kind: str, tmp_path, sp: bool = False) -> dict:
     import sys
     from pathlib import Path
 
     from repro.harness.isolated import run_loopback_ranks
 
-    out = tmp_path / f"{norm_kind}.json"
+    out = tmp_path / f"{norm_kind}-{sp}.json"
     ranks = run_loopback_ranks(
-        [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, str(out)], 2, timeout=300,
+        [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, "sp" if sp else "no-sp", str(out)], 2,
+        timeout=300,
         env={"OMP_NUM_THREADS": "1"}, cwd=str(Path(__file__).parent.parent),
     )
     assert all(r.ok for r in ranks), "\n".join(r.describe() + r.stderr[-3000:] for r in ranks)
@@ -341,5 +342,11 @@ def test_tp2_without_fsdp_clips_by_one_global_norm(norm_kind, tmp_path):
     if norm_kind == "engine":
         assert rank0 == rank1 and all(n > 1.0 for n in rank0), result  # clipping was active
         assert result["drift"] == 0.0, result
+        # torchtitan's default, sequence parallel, at TP=2: the same norms and losses (up to
+        # float reassociation), and the replicated parameters still stay in lockstep.
+        sp = _run_tp2_clip(norm_kind, tmp_path, sp=True)
+        assert sp["norms"][0] == sp["norms"][1] and sp["drift"] == 0.0, sp
+        assert sp["losses"] == pytest.approx(result["losses"], rel=1e-5), (sp, result)
+        assert sp["norms"][0] == pytest.approx(rank0, rel=1e-5), (sp, result)
     else:
         assert rank0 != rank1 and result["drift"] > 0.0, result

@@ -123,6 +123,37 @@ class OptimizerSettings:
 _OPTIMIZER_IMPLEMENTATIONS = ("for-loop", "foreach", "fused", "fused_opt_states_bf16")
 
 
+# torch < 2.14: fully_shard(..., dp_mesh_dims=...) rejects the plain tensors spmd_types leaves
+# ("all parameters must be DTensors on the full SPMD mesh"); torch 2.14 accepts them.
+FSDP_WITH_SPMD_TYPES_TORCH = (2, 14)
+
+
+def check_fsdp_supported(spmd_backend: str, dp_shard: int, torch_version: str | None = None) -> None:
+    """ValueError when FSDP (dp_shard > 1) is asked for under spmd_types on a torch that rejects
+    it. ``torch_version`` defaults to the running torch."""
+    if spmd_backend != "spmd_types" or dp_shard in (-1, 1):
+        return
+    version = torch_version or _torch_version()
+    if _release(version) < FSDP_WITH_SPMD_TYPES_TORCH:
+        need = ".".join(map(str, FSDP_WITH_SPMD_TYPES_TORCH))
+        raise ValueError(
+            f"dp_shard={dp_shard} (FSDP) with spmd_backend='spmd_types' needs torch >= {need}; "
+            f"torch {version} rejects it. Use dp_shard=1, or another spmd_backend: "
+            f"{sorted(set(allowed_spmd_backends()) - {'spmd_types'})}"
+        )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
 @dataclass(kw_only=True, slots=True)
 class TorchtitanEngineConfig:
     """How a ``TorchtitanEngine`` builds and trains a torchtitan model.
@@ -165,6 +196,11 @@ class TorchtitanEngineConfig:
         # The engine drives one model part; torchtitan's pipeline schedules own the step
         # (and the loss) under PP, which forward_backward_batch does not wrap.
         _one_of("pp", self.pp, (1,))
+        # Context parallelism shards the sequence inside torchtitan's train step
+        # (``context_parallel`` around forward and backward with the buffers to shard), which
+        # this engine does not drive: accepting cp > 1 would train on unsharded sequences.
+        _one_of("cp", self.cp, (1,))
+        check_fsdp_supported(self.spmd_backend, self.dp_shard)
         _one_of("attn_type", self.attn_type, ATTN_TYPES)
         _one_of("spmd_backend", self.spmd_backend, allowed_spmd_backends())
         _one_of("activation_checkpoint", self.activation_checkpoint, AC_MODES)
