@@ -1,0 +1,315 @@
+"""Recompute reclaim on real megatron-core models at real sizes: peak, retained and step time.
+
+The reclaim exists for one leak: with full recompute, MoE training kept each checkpoint's
+inputs and grads alive after backward (Megatron-LM #3221; verl #5251 frees them; Megatron-LM
+#5197 fixed one cause on main, #5227 another: DeepEP's ``token_probs`` left on the dispatcher,
+holding the recompute graph and through it the checkpoint's detached input and its grad).
+
+Models (megatron-core ``GPTModel``, local spec, world size 1, 4 layers, full uniform
+recompute of 1 layer, batch 1; fp32, or bf16 through megatron's ``Float16Module``):
+
+- ``moe``: 8 experts, top-2, the ``allgather`` (or ``--dispatcher alltoall``) dispatcher, no
+  linear biases -- as megatron ships it.
+- ``moe-kept-probs``: the same, with the #5227 mechanism: each MoE layer keeps the routing
+  probabilities of its last forward (the recompute's) until the next step.
+- ``gpt-mtp``: a dense GPT with one Multi-Token-Prediction layer (its input is a chunk view
+  of the decoder output).
+
+Strategies: ``none``, ``verl-0.8.0`` and ``verl-0.9.1`` (verl's released reclaims, installed by
+``repro.shared_view_reclaim.install_reclaim``), ``ours`` (``fixes.megatron``). Each
+(strategy, model) runs in its own child interpreter (one verl per process), every size and
+dtype in it: warm-up step, then ``gc`` off, peak / retained bytes of one step, then the median
+of ``--steps`` timed steps.
+
+    python -m benchmarks.megatron_scale --device cuda --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
+STRATEGIES = ("none", "verl-0.8.0", "verl-0.9.1", "ours")
+_INSTALL = {"none": "none", "verl-0.8.0": "verl-0.8.0", "verl-0.9.1": "verl-0.9.1",
+            "ours": "alias-aware"}
+DTYPES = ("fp32", "bf16")
+DISPATCHERS = ("allgather", "alltoall")
+SIZES = ((1024, 2048), (2048, 4096))  # (hidden, sequence)
+MIB = 1024 * 1024
+
+
+@dataclass
+class Cell:
+    model: str
+    strategy: str
+    dispatcher: str
+    hidden: int
+    seq: int
+    dtype: str
+    peak_bytes: int = 0
+    # what tensors asked for at the peak (no allocator rounding): tells a real difference in
+    # live tensors from the caching allocator's block sizes
+    requested_peak_bytes: int = 0
+    retained_bytes: int = 0  # live after the step beyond what was live before it (grads too)
+    step_ms: float = 0.0
+    events: dict | None = None  # reclaim decisions of the measured step, by action
+    peak_sites: list | None = None  # with --trace: the allocation sites live at the peak
+    error: str | None = None
+
+
+def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    bf16 = dtype == "bf16"
+    moe = model.startswith("moe")
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=hidden, num_attention_heads=hidden // 128,
+        ffn_hidden_size=(hidden * 2 if moe else hidden * 4),
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **(dict(num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+                moe_aux_loss_coeff=0.0) if moe else dict(mtp_num_layers=1)),
+    )
+    spec = get_gpt_layer_local_spec(num_experts=8 if moe else None, moe_grouped_gemm=False)
+    kwargs = {} if moe else dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec,
+                                                                       use_transformer_engine=False))
+    torch.manual_seed(0)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=32000,
+                   max_sequence_length=seq, **kwargs).cuda()
+    if model == "moe-kept-probs":
+        _keep_routing_probs(gpt)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = Float16Module(cfg, gpt)
+    gpt.train()
+    return gpt
+
+
+def _keep_routing_probs(gpt) -> None:
+    """Megatron-LM #5227's mechanism on the real MoE layers: each keeps the routing
+    probabilities of its last forward on itself (DeepEP's manager kept ``token_probs``)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for layer in gpt.modules():
+        if isinstance(layer, MoELayer):
+            route = layer.route
+
+            def keeping_route(*args, _route=route, _layer=layer, **kwargs):
+                out = _route(*args, **kwargs)
+                _layer.stackfix_kept_probs = out[0]  # (probs, routing_map)
+                return out
+
+            layer.route = keeping_route
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own Python (where a model or patch allocated)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if name.endswith(".py") and "/torch/" not in name and "megatron_scale" not in name:
+            return f"{name.split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
+def peak_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
+    """Replay a memory-history trace; the ``top`` allocation sites by bytes live at its peak
+    (blocks allocated before the trace count in the running total, not in the sites)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for ev in trace:
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+                total += ev["size"]
+                if total > best:
+                    best, at_peak = total, dict(live)
+            elif ev["action"] == "free_requested":
+                live.pop(ev["addr"], None)
+                total -= ev["size"]
+    sites: dict[str, int] = {}
+    for size, site in at_peak.values():
+        sites[site] = sites.get(site, 0) + size
+    return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+
+
+def _measure(cell: Cell, steps: int, trace: bool = False) -> None:
+    import torch
+
+    from fixes.megatron import recompute_reclaim_events
+
+    gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype)
+    ids = torch.randint(0, 32000, (1, cell.seq), device="cuda")
+    pos = torch.arange(cell.seq, device="cuda").unsqueeze(0)
+    mask = torch.ones(1, 1, cell.seq, cell.seq, dtype=torch.bool, device="cuda").tril().logical_not()
+    labels = torch.randint(0, 32000, (1, cell.seq), device="cuda")
+
+    def step():
+        gpt.zero_grad(set_to_none=True)
+        gpt(ids, pos, mask, labels=labels).float().sum().backward()
+
+    step()  # warm-up: allocator, lazy state, grads allocated once
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        base = torch.cuda.memory_allocated()
+        requested_base = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
+        torch.cuda.reset_peak_memory_stats()
+        if trace:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        with recompute_reclaim_events() as events:
+            step()
+        torch.cuda.synchronize()
+        if trace:
+            cell.peak_sites = peak_sites(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+        cell.peak_bytes = torch.cuda.max_memory_allocated() - base
+        cell.requested_peak_bytes = (
+            torch.cuda.memory_stats().get("requested_bytes.all.peak", 0) - requested_base)
+        cell.retained_bytes = torch.cuda.memory_allocated() - base
+        cell.events = {}
+        for e in events:
+            key = f"{e.role}:{e.action}"
+            cell.events[key] = cell.events.get(key, 0) + 1
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        cell.step_ms = statistics.median(times)
+    finally:
+        gc.enable()
+
+
+def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dtypes,
+              trace: bool = False) -> list[Cell]:
+    """Inside the child: one strategy and model, every size and dtype."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    from repro.shared_view_reclaim import install_reclaim, setup_megatron
+
+    setup_megatron("cuda")
+    install_reclaim(_INSTALL[strategy], CheckpointFunction)
+    cells = []
+    for hidden, seq in sizes:
+        for dtype in dtypes:
+            cell = Cell(model, strategy, dispatcher if model.startswith("moe") else "-",
+                        hidden, seq, dtype)
+            try:
+                _measure(cell, steps, trace)
+                gc.collect()  # the model of this cell goes before the next is built
+            except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
+                cell.error = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+            cells.append(cell)
+    return cells
+
+
+def _choices(value: str, allowed, what: str) -> list[str]:
+    items = [v for v in value.split(",") if v]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise SystemExit(f"error: --{what} {value!r}: allowed {', '.join(allowed)}")
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.megatron_scale",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--dispatcher", default="allgather", choices=DISPATCHERS)
+    p.add_argument("--sizes", default=",".join(f"{h}x{s}" for h, s in SIZES),
+                   help="hidden x sequence, comma-separated")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per cell (median)")
+    p.add_argument("--out", help="write every cell as JSON")
+    p.add_argument("--trace", action="store_true",
+                   help="record the measured step's allocations; report the sites live at its peak")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "STRATEGY"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    models = _choices(args.models, MODELS, "models")
+    strategies = _choices(args.strategies, STRATEGIES, "strategies")
+    dtypes = _choices(args.dtypes, DTYPES, "dtypes")
+    try:
+        sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --sizes {args.sizes!r}: expected e.g. 1024x2048,2048x4096") from None
+    if args.child:
+        cells = run_child(*args.child, args.dispatcher, args.steps, sizes, dtypes, args.trace)
+        print("CELLS " + json.dumps([asdict(c) for c in cells]), flush=True)
+        return 0
+
+    from repro.harness.isolated import run_isolated
+
+    cells: list[dict] = []
+    for model in models:
+        for strategy in strategies:
+            res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=[
+                "--child", model, strategy, "--dispatcher", args.dispatcher, "--steps",
+                str(args.steps), "--sizes", args.sizes, "--dtypes", ",".join(dtypes),
+                *(["--trace"] if args.trace else [])])
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("CELLS ")]
+            if not line:
+                tail = (res.stderr.strip().splitlines() or [""])[-1]
+                cells.append({"model": model, "strategy": strategy,
+                              "error": f"{res.describe()}: {tail[:400]}"})
+            else:
+                cells.extend(json.loads(line[-1][len("CELLS "):]))
+            print(_row(cells[-1]) if line else f"{model} {strategy}: {cells[-1]['error']}",
+                  file=sys.stderr, flush=True)
+    print(table(cells))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(cells, f, indent=2)
+    return 1 if any(c.get("error") for c in cells) else 0
+
+
+def _row(c: dict) -> str:
+    return (f"{c['model']:15} {c['strategy']:11} {c.get('dispatcher', ''):9} "
+            f"{c.get('hidden', '')}x{c.get('seq', '')} {c.get('dtype', '')}")
+
+
+def table(cells: list[dict]) -> str:
+    """Per (model, dispatcher, size, dtype): each strategy's peak, retained, step time, and
+    the ratios to ``none`` (measured side by side in one run)."""
+    lines = ["model           dispatch  size       dtype strategy     peak MiB  /none   "
+             "req. MiB  retained MiB  step ms  /none  error"]
+    ref = {}
+    for c in cells:
+        if c.get("strategy") == "none" and not c.get("error"):
+            ref[(c["model"], c["dispatcher"], c["hidden"], c["seq"], c["dtype"])] = c
+    for c in cells:
+        if "hidden" not in c:
+            lines.append(f"{c['model']:15} {'':9} {'':10} {'':5} {c['strategy']:12} error: "
+                         f"{c['error']}")
+            continue
+        r = ref.get((c["model"], c["dispatcher"], c["hidden"], c["seq"], c["dtype"]))
+        pk = f"{c['peak_bytes'] / r['peak_bytes']:.4f}" if r and r["peak_bytes"] else "-"
+        st = f"{c['step_ms'] / r['step_ms']:.3f}" if r and r["step_ms"] else "-"
+        lines.append(
+            f"{c['model']:15} {c['dispatcher']:9} {c['hidden']}x{c['seq']:<5} {c['dtype']:5} "
+            f"{c['strategy']:12} {c['peak_bytes'] / MIB:8.1f}  {pk:6}  "
+            f"{c.get('requested_peak_bytes', 0) / MIB:8.1f}  {c['retained_bytes'] / MIB:12.1f}"
+            f"  {c['step_ms']:7.1f}  {st:5}  {c.get('error') or ''}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
