@@ -1,0 +1,174 @@
+"""verl's own released code, one leaf module at a time: the unfixed path of a repro *is* verl.
+
+verl ships pure-python wheels; a release lives unpacked at ``<root>/<version>/verl/...``::
+
+    python -m repro.verl_release install [--root DIR] [VERSION ...]   # default: RELEASES
+
+which runs ``pip install --no-deps --target <root>/<version> verl==<version>`` per version.
+``<root>`` is ``$STACKFIX_VERL_ROOT``, else ``~/.cache/stackfix/verl-releases`` (tox sets it
+to a directory inside its env).
+
+``import_verl("0.9.1", "verl.models.mcore.patch")`` returns that file of that release, executed
+exactly as released. verl's package ``__init__`` files are *not* executed: ``import verl`` pulls
+ray, hydra, transformers, tensordict, datasets... none of which the patches under test need
+(``verl/models/mcore/patch.py`` has no module-level import at all). Instead every verl package
+(``verl``, ``verl.models``, ...) becomes an empty package module whose ``__path__`` points into
+the release, so a leaf's own ``from verl.x.y import z`` loads leaf ``x/y.py`` of the same release.
+A leaf that needs a name defined in a package ``__init__`` fails with the ImportError naming it.
+
+One release per process (repros run each in a child process): a second version is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+__all__ = [
+    "ENV_ROOT",
+    "RELEASES",
+    "VerlUnavailable",
+    "VerlVersionConflict",
+    "import_verl",
+    "install",
+    "loaded_version",
+    "release_dir",
+    "verl_root",
+]
+
+ENV_ROOT = "STACKFIX_VERL_ROOT"
+DEFAULT_ROOT = Path("~/.cache/stackfix/verl-releases")
+RELEASES = ("0.8.0", "0.9.1")  # the releases the repros and tests compare
+
+
+class VerlUnavailable(ImportError):
+    """The requested verl release is not installed under the root; the message says how to."""
+
+
+class VerlVersionConflict(RuntimeError):
+    """This process already imports another verl release (or a regular ``import verl``)."""
+
+
+def verl_root() -> Path:
+    return Path(os.environ.get(ENV_ROOT) or DEFAULT_ROOT).expanduser()
+
+
+def release_dir(version: str, root: Path | None = None) -> Path:
+    """Where ``install`` puts ``version`` (``<root>/<version>``), installed or not."""
+    return (verl_root() if root is None else Path(root)) / version
+
+
+def _check_installed(version: str) -> Path:
+    where = release_dir(version)
+    if not (where / "verl" / "__init__.py").is_file() or not (
+        where / f"verl-{version}.dist-info"
+    ).is_dir():
+        raise VerlUnavailable(
+            f"verl {version} is not installed under {where.parent} (${ENV_ROOT}); install it with "
+            f"`python -m repro.verl_release install --root {where.parent} {version}`"
+        )
+    return where
+
+
+class _ReleaseFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``verl`` and ``verl.*`` from one release directory, packages as empty modules."""
+
+    def __init__(self, version: str, where: Path):
+        self.version, self.where = version, where
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "verl" and not fullname.startswith("verl."):
+            return None
+        base = self.where.joinpath(*fullname.split("."))
+        if base.is_dir():
+            spec = importlib.machinery.ModuleSpec(fullname, _EmptyPackage(), is_package=True)
+            spec.submodule_search_locations = [str(base)]
+            return spec
+        if base.with_suffix(".py").is_file():
+            return importlib.util.spec_from_file_location(fullname, base.with_suffix(".py"))
+        return None
+
+
+class _EmptyPackage(importlib.abc.Loader):
+    """A verl package without its ``__init__``: only ``__path__`` (set from the spec)."""
+
+    def create_module(self, spec):
+        return None  # the default module
+
+    def exec_module(self, module):
+        pass
+
+
+_finder: _ReleaseFinder | None = None
+
+
+def loaded_version() -> str | None:
+    """The verl release this process imports from (None until ``import_verl``)."""
+    return None if _finder is None else _finder.version
+
+
+def import_verl(version: str, module: str) -> ModuleType:
+    """``module`` (e.g. ``"verl.models.mcore.patch"``) from verl ``version``, as released.
+
+    Raises VerlUnavailable if that release is not installed, VerlVersionConflict if this
+    process already uses another release or imported verl the regular way.
+    """
+    global _finder
+    if module != "verl" and not module.startswith("verl."):
+        raise ValueError(f"not a verl module: {module!r}")
+    if _finder is None:
+        if "verl" in sys.modules:
+            raise VerlVersionConflict(
+                f"verl is already imported in this process from {sys.modules['verl'].__file__}; "
+                f"import_verl needs a process without it"
+            )
+        _finder = _ReleaseFinder(version, _check_installed(version))
+        sys.meta_path.insert(0, _finder)
+    elif _finder.version != version:
+        raise VerlVersionConflict(
+            f"this process already imports verl {_finder.version}; one verl release per process "
+            f"(run verl {version} in a child process)"
+        )
+    return importlib.import_module(module)
+
+
+def install(versions=RELEASES, root: Path | None = None) -> list[Path]:
+    """``pip install --no-deps --target <root>/<version> verl==<version>`` for each version not
+    installed yet (pure-python wheels, ~1.5 MB each). Returns the release directories."""
+    root = verl_root() if root is None else Path(root)
+    done = []
+    for version in versions:
+        where = release_dir(version, root)
+        if (where / f"verl-{version}.dist-info").is_dir():
+            print(f"verl {version}: already installed in {where}")
+        else:
+            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(where),
+                   f"verl=={version}"]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        done.append(where)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.verl_release")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("install", help="pip install --no-deps --target ROOT/VERSION verl==VERSION")
+    p.add_argument("--root", type=Path, default=None,
+                   help=f"default: ${ENV_ROOT}, else {DEFAULT_ROOT}")
+    p.add_argument("versions", nargs="*", default=list(RELEASES))
+    args = parser.parse_args(argv)
+    install(args.versions, args.root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
