@@ -14,18 +14,23 @@ holds the detached input and its grad, so both stay allocated after backward unl
 releases them.
 
 Strategies (``repro.shared_view_reclaim.install_reclaim`` installs each):
-``none`` (megatron as shipped), ``unsafe`` (verl #5251: ``resize_(0)`` every requires-grad
-input and its grad), ``mtp-skip`` (verl #7328: the same, but not for checkpoints holding a
-``MultiTokenPredictionLayer``), ``ours`` (``fixes.megatron.apply_recompute_reclaim_patch``).
-``unsafe`` on ``chunked-mtp`` frees ``h`` under ``contract``'s backward (SIGSEGV on CPU, illegal
-memory access on CUDA): not applicable, never run in-process -- ``python -m repro --only
-shared-view-reclaim-megatron`` shows that crash in a child process.
+``none`` (megatron as shipped), ``unsafe`` (verl 0.8.0's released reclaim: ``resize_(0)`` every
+requires-grad input and its grad), ``mtp-skip`` (verl 0.9.1's: the same, but not for checkpoints
+whose ``run_function`` closes over a ``MultiTokenPredictionLayer``), ``ours``
+(``fixes.megatron.apply_recompute_reclaim_patch``). verl runs one release per process
+(``repro.verl_release``), so every (variant, strategy, device) is measured in a child interpreter
+of its own (``figures_in_child``). ``unsafe`` on ``chunked-mtp`` frees ``h`` under ``contract``'s
+backward (SIGSEGV on CPU, illegal memory access on CUDA): not applicable, never run --
+``python -m repro --only shared-view-reclaim-verl080`` shows that crash.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,11 +40,11 @@ from repro.harness.leaks import ModuleStateLeak
 VARIANTS = ("plain", "chunked-mtp")
 STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
 # strategy -> repro.shared_view_reclaim variant name
-_INSTALL = {"none": "none", "unsafe": "unsafe", "mtp-skip": "mtp-skip", "ours": "alias-aware"}
+_INSTALL = {"none": "none", "unsafe": "verl-0.8.0", "mtp-skip": "verl-0.9.1", "ours": "alias-aware"}
 NOT_APPLICABLE = {
     ("chunked-mtp", "unsafe"): "n/a: verl's unsafe reclaim frees the chunk's shared storage while "
     "the decoder's contract still reads it (crash 2: SIGSEGV / CUDA illegal memory access); see "
-    "`python -m repro --only shared-view-reclaim-megatron`",
+    "`python -m repro --only shared-view-reclaim-verl080`",
 }
 SIZES = {"seq": 256, "batch": 2, "hidden": 256, "ffn": 1024, "layers": 4}
 SEED = 0
@@ -117,7 +122,14 @@ class ReclaimSetup:
         contract = streams * self.mix  # saves `streams` for its backward
         part = make_viewless_tensor(inp=torch.chunk(streams, 2, dim=-1)[1],
                                     requires_grad=True, keep_graph=True)
-        mtp = tensor_parallel.checkpoint(self.mtp.forward, False, part)
+        mtp_layer = self.mtp
+
+        def custom_forward(hidden_states):
+            # A closure over the layer, as Megatron-LM core_v0.19.0+ makes the MTP checkpoint
+            # (MultiTokenPredictionLayer._checkpointed_forward): what verl 0.9.1's skip detects.
+            return mtp_layer(hidden_states)
+
+        mtp = tensor_parallel.checkpoint(custom_forward, False, part)
         return contract.square().mean() + mtp.square().mean()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -162,3 +174,48 @@ def uninstall() -> None:
     from repro.shared_view_reclaim import install_reclaim
 
     install_reclaim("none")
+
+
+FIGURES_MARKER = "RECLAIM-FIGURES "
+
+
+def print_figures(variant: str, strategy: str, device: str) -> None:
+    """In a child: warm-up step, then one measured step; the figures on a marker line."""
+    from benchmarks._measure import measure_memory
+    from repro import Skipped
+    from repro.registry import SKIP_MARKER
+
+    try:
+        setup = build(variant, strategy, torch.device(device))
+    except Skipped as skip:  # e.g. the verl release is not installed
+        print(SKIP_MARKER + " ".join(str(skip).split()), file=sys.stderr, flush=True)
+        return
+    try:
+        setup.step()  # warm-up
+        setup.reset()
+        figures = measure_memory(setup.forward, backward=setup.backward, device=device,
+                                 track=setup.track).as_extra_info()
+        setup.reset()
+    finally:
+        uninstall()
+    print(FIGURES_MARKER + json.dumps(figures), flush=True)
+
+
+def figures_in_child(variant: str, strategy: str, device: str) -> dict:
+    """``print_figures`` in a fresh interpreter. Raises repro.Skipped where the child could not
+    run (a verl release not installed), RuntimeError with its stderr if it failed."""
+    from repro import Skipped, run_isolated
+    from repro.registry import reported_skip
+
+    check(variant, strategy)
+    code = (f"from benchmarks import _reclaim\n"
+            f"_reclaim.print_figures({variant!r}, {strategy!r}, {device!r})\n")
+    repo = Path(__file__).resolve().parent.parent
+    r = run_isolated(code=code, timeout=600, cwd=str(repo))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(FIGURES_MARKER)]
+    if r.ok and lines:
+        return json.loads(lines[-1][len(FIGURES_MARKER):])
+    skipped = reported_skip(r.stderr)
+    if skipped is not None:
+        raise Skipped(skipped)
+    raise RuntimeError(f"{variant}/{strategy} on {device}: {r.describe()}\n{r.stderr[-3000:]}")

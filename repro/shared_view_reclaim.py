@@ -5,35 +5,54 @@ The graph, as small as it gets, with the shape of verl's mHC + MTP crash:
 
 1. ``h = proj(x)`` is the decoder output, ``[s, 2*hidden]`` (mHC's multistream).
 2. ``contract = h * mix`` reads ``h`` in its backward (``MulBackward`` saves ``h`` to compute the
-   grad of ``mix``) — verl's ``learned_output_contract``.
+   grad of ``mix``) — mHC's ``learned_output_contract``.
 3. ``part = torch.chunk(h, 2, -1)[1]`` made viewless (``out.data = view.data``: ``_base`` is
    None, the storage is ``h``'s) goes through a *reentrant* activation checkpoint — the MTP layer.
 4. ``loss = contract.sum() + mtp.sum()``. The checkpoint's node was created last, so its backward
    runs first; ``MulBackward`` runs after it.
 
-Unfixed: verl's reclaim (``fixes.megatron.reclaim_baselines``: ``resize_(0)`` every
-requires-grad checkpoint input) frees ``h``'s storage in step 4; ``MulBackward`` then reads a null
-pointer: SIGSEGV on CPU, "an illegal memory access" on CUDA. Fixed: the alias-aware reclaim
-(``fixes.megatron.apply_recompute_reclaim_patch``) defers the shared storage to the end of the
-backward pass; the oracle (WrongResult otherwise) checks every gradient against a run with no
-reclaim and that the shared input was deferred, not released.
+Unfixed: a reclaim that calls ``resize_(0)`` on every requires-grad checkpoint input frees ``h``'s
+storage in step 4; ``MulBackward`` then reads a null pointer: SIGSEGV on CPU, "an illegal memory
+access" on CUDA. Fixed: the alias-aware reclaim (``fixes.megatron.apply_recompute_reclaim_patch``)
+defers the shared storage to the end of the backward pass; the oracle (WrongResult otherwise)
+checks every gradient against a run with no reclaim and that the shared input was deferred.
 
-Repros:
-* ``shared-view-reclaim`` — torch only; the checkpoint is PyTorch's reentrant
-  ``torch.utils.checkpoint.CheckpointFunction`` (same backward shape as megatron's).
-* ``shared-view-reclaim-megatron`` — megatron-core's ``tensor_parallel.checkpoint`` and
-  ``make_viewless_tensor``; on CPU through repro/harness/megatron_cpu.py's RNG shim, unshimmed on CUDA.
+Repros (the unfixed reclaim of the ``-verl`` ones is verl's released code, ``repro.verl_release``):
+
+* ``shared-view-reclaim`` — torch only: PyTorch's reentrant checkpoint, and ``resize-all``, verl's
+  reclaim mechanism put on it (verl's own patch can only target megatron-core's class).
+* ``shared-view-reclaim-verl080`` — verl 0.8.0's ``apply_patch_megatron_recomputation_backward``
+  on megatron-core's ``tensor_parallel.checkpoint`` / ``make_viewless_tensor``; the MTP checkpoint
+  is made as Megatron-LM core_v0.19.0+ makes it (``custom_forward``, a closure over the layer).
+* ``shared-view-reclaim-verl091`` — verl 0.9.1's patch, which skips a checkpoint when a closure
+  cell of its ``run_function`` is an object of class ``MultiTokenPredictionLayer``. The MTP
+  checkpoint is made as megatron-core 0.16.1 makes it — the newest release for Python 3.11, one
+  verl 0.9.1's megatron engine runs on: ``MultiTokenPredictionLayer.forward`` passes the *bound
+  method* ``self._proj_and_transformer_layer`` to ``_checkpointed_forward``, which hands it to
+  ``tensor_parallel.checkpoint`` as is (megatron/core/transformer/multi_token_prediction.py,
+  core_v0.16.1, ``forward`` and ``_checkpointed_forward``). A bound method has no closure, so
+  the probe finds nothing and the MTP input is freed exactly as by 0.8.0. verl's own
+  ``_patched_checkpointed_forward`` (verl/models/mcore/mtp_patch.py, 0.9.1; installed by
+  ``patch_engine_mtp`` on that megatron) hides the layer too: its ``run`` closes over the bound
+  method, not the layer (``mtp_checkpoint="verl-run"``). tests/test_verl_reclaim.py runs the
+  installed megatron-core's own ``MultiTokenPredictionBlock`` the same way: a bound method and
+  the crash on 0.16.1; a closure on core_v0.19.0+, where the skip does fire.
 * ``run_megatron_mtp`` — not a repro but a finding (H200, megatron-core 0.19.2, 2026-11-30): a
-  real GPT + MTP (local spec, full recompute) with the unsafe reclaim does NOT crash and its
-  grads match; ``tests/test_recompute_reclaim.py`` keeps that finding under test.
+  real GPT + MTP (local spec, full recompute) with verl's reclaim (then a re-creation of 0.8.0's,
+  now the release itself) does NOT crash and its grads match;
+  ``tests/test_recompute_reclaim.py`` keeps that finding under test.
+
+On CPU, megatron and verl run through repro/harness/megatron_cpu.py's RNG and stream shims.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -41,7 +60,12 @@ from torch import nn
 from repro.harness.isolated import free_loopback_port
 from repro.registry import Repro, Signature, WrongResult
 
-VARIANTS = ("none", "unsafe", "mtp-skip", "alias-aware")
+# none: no reclaim; resize-all: verl's mechanism on any reentrant checkpoint (torch's);
+# verl-X: verl X's released patch (megatron-core's CheckpointFunction only); alias-aware: the fix.
+VERL_RECLAIMS = {"verl-0.8.0": "0.8.0", "verl-0.9.1": "0.9.1"}
+VARIANTS = ("none", "resize-all", *VERL_RECLAIMS, "alias-aware")
+# How the MTP layer's checkpoint is made (megatron_mtp_checkpoint).
+MTP_CHECKPOINTS = ("closure", "bound-method", "verl-run")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -56,23 +80,71 @@ class SharedViewConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+# --- the reclaims -------------------------------------------------------------------------------
+
+
+def _resize_all(backward: Callable) -> Callable:
+    """verl's reclaim mechanism on any reentrant checkpoint: after the backward, ``resize_(0)``
+    each requires-grad recompute input and its grad, handing back clones of the grads."""
+    from fixes.megatron.reclaim import call_observing_inputs, tensor_args
+
+    @functools.wraps(backward)
+    def resize_all_backward(ctx, *grad_outputs):
+        result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
+        result = tuple(g.clone() if isinstance(g, torch.Tensor) else g for g in result)
+        for t in tensor_args(recompute_args):
+            if t.requires_grad:
+                t.untyped_storage().resize_(0)
+                if t.grad is not None:
+                    t.grad.untyped_storage().resize_(0)
+        return result
+
+    return resize_all_backward
+
+
+# target class -> (verl version, the backward verl's patch replaced); verl's patch cannot be undone
+_verl_installed: dict[type, tuple[str, staticmethod]] = {}
+
+
+def _megatron_checkpoint_function() -> type:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return mrandom.CheckpointFunction
+
+
+def _install_verl(version: str, target: type) -> None:
+    """verl ``version``'s ``apply_patch_megatron_recomputation_backward``, as released."""
+    from repro.verl_release import import_verl
+
+    if target is not _megatron_checkpoint_function():
+        raise ValueError("verl's reclaim patches megatron-core's CheckpointFunction only")
+    patch = import_verl(version, "verl.models.mcore.patch")
+    _verl_installed[target] = (version, target.__dict__["backward"])
+    patch.apply_patch_megatron_recomputation_backward()
+
+
 def install_reclaim(variant: str, target: type | None = None) -> None:
     """Install one reclaim variant (``VARIANTS``) on ``target`` (megatron's CheckpointFunction
-    when None); ``none`` removes whichever stackfix reclaim is installed."""
-    from fixes.megatron import reclaim, reclaim_baselines
+    when None), after removing whichever is installed; ``none`` only removes."""
+    from fixes.megatron import reclaim
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown reclaim variant {variant!r}; allowed: {VARIANTS}")
-    if variant == "none":
-        kind = reclaim.installed_reclaim(target)
-        if kind is not None:
-            reclaim.uninstall_backward_wrapper(kind, target)
-    elif variant == "unsafe":
-        reclaim_baselines.apply_unsafe_reclaim_patch(target)
-    elif variant == "mtp-skip":
-        reclaim_baselines.apply_mtp_skip_reclaim_patch(target)
-    else:
+    target = _megatron_checkpoint_function() if target is None else target
+    if target in _verl_installed:
+        target.backward = _verl_installed.pop(target)[1]
+    kind = reclaim.installed_reclaim(target)
+    if kind is not None and kind != variant:
+        reclaim.uninstall_backward_wrapper(kind, target)
+    if variant in VERL_RECLAIMS:
+        _install_verl(VERL_RECLAIMS[variant], target)
+    elif variant == "resize-all":
+        reclaim.install_backward_wrapper("resize-all", _resize_all, target)
+    elif variant == "alias-aware":
         reclaim.apply_recompute_reclaim_patch(target)
+
+
+# --- the graph ----------------------------------------------------------------------------------
 
 
 class ViewlessAlias(torch.autograd.Function):
@@ -90,13 +162,29 @@ class ViewlessAlias(torch.autograd.Function):
         return grad
 
 
+class MultiTokenPredictionLayer(nn.Module):
+    """The checkpointed MTP layer, named as megatron-core's is: the class name is all verl
+    0.9.1's skip looks for. ``config`` holds what verl's ``_patched_checkpointed_forward`` reads."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+        self.config = SimpleNamespace(fp8=False, distribute_saved_activations=False,
+                                      recompute_method="uniform", recompute_num_layers=1)
+
+    def _proj_and_transformer_layer(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.body(hidden_states)
+
+    forward = _proj_and_transformer_layer
+
+
 class SharedViewModel(nn.Module):
     def __init__(self, cfg: SharedViewConfig):
         super().__init__()
         h = cfg.hidden
         self.proj = nn.Linear(h, 2 * h)  # decoder -> two streams
         self.mix = nn.Parameter(torch.linspace(0.5, 1.5, 2 * h))  # contract: reads h in backward
-        self.mtp = nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Linear(h, h))  # checkpointed
+        self.mtp = MultiTokenPredictionLayer(h)  # checkpointed
 
 
 def shared_view_step(
@@ -105,7 +193,8 @@ def shared_view_step(
     checkpoint: Callable[..., torch.Tensor],
     make_viewless: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
-    """Forward + backward of the graph in the module docstring (grads land in ``model``)."""
+    """Forward + backward of the graph in the module docstring (grads land in ``model``);
+    ``checkpoint(mtp_layer, part)`` runs the MTP layer under a reentrant checkpoint."""
     h = model.proj(x)
     contract = h * model.mix
     part = make_viewless(torch.chunk(h, 2, dim=-1)[1])
@@ -126,13 +215,15 @@ def _check_against_reference(got: dict, ref: dict) -> None:
 
 
 def _run(
-    fixed: bool,
+    variant: str,
     device: str,
     target: type,
     checkpoint: Callable,
     make_viewless: Callable,
     cfg: SharedViewConfig = SharedViewConfig(),
 ) -> None:
+    """The step with no reclaim (the reference), then with ``variant``: grads must match; the
+    alias-aware reclaim must also have deferred the shared input."""
     from fixes.megatron import recompute_reclaim_events
 
     torch.manual_seed(cfg.seed)
@@ -144,14 +235,14 @@ def _run(
     reference = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    install_reclaim("alias-aware" if fixed else "unsafe", target)
+    install_reclaim(variant, target)
     with recompute_reclaim_events() as events:
         shared_view_step(model, x, checkpoint, make_viewless)
         if device == "cuda":
             torch.cuda.synchronize()  # surface an asynchronous CUDA fault here
     install_reclaim("none", target)
     _check_against_reference(_grads(model), reference)
-    if fixed:
+    if variant == "alias-aware":
         inputs = [e.action for e in events if e.role == "input"]
         if inputs[:1] != ["deferred"] or "released" in inputs:
             raise WrongResult(f"the shared chunk view was not deferred: {inputs}")
@@ -164,22 +255,27 @@ def run_torch(fixed: bool, device: str) -> None:
     def checkpoint(fn, *args):
         return tcp.checkpoint(fn, *args, use_reentrant=True)
 
-    _run(fixed, device, tcp.CheckpointFunction, checkpoint, ViewlessAlias.apply)
+    variant = "alias-aware" if fixed else "resize-all"
+    _run(variant, device, tcp.CheckpointFunction, checkpoint, ViewlessAlias.apply)
 
 
 # --- megatron-core ------------------------------------------------------------------------------
 
 
 def setup_megatron(device: str, seed: int = 1234) -> None:
-    """World size 1: the CPU RNG shim on CPU; on CUDA the real thing —
+    """World size 1: the CPU RNG and stream shims on CPU; on CUDA the real thing —
     ``initialize_model_parallel()`` and ``model_parallel_cuda_manual_seed``."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if device == "cpu":
-        from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+        from repro.harness.megatron_cpu import (
+            install_cpu_stream_shim,
+            install_megatron_cpu_rng_shim,
+        )
 
         install_megatron_cpu_rng_shim(force=True)
+        install_cpu_stream_shim(force=True)  # for verl's reclaim
         backend = "gloo"
     else:
         torch.cuda.set_device(0)
@@ -194,26 +290,66 @@ def setup_megatron(device: str, seed: int = 1234) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def run_megatron(fixed: bool, device: str) -> None:
-    """``shared-view-reclaim-megatron``: megatron-core's CheckpointFunction and
-    ``make_viewless_tensor``."""
+def megatron_mtp_checkpoint(form: str) -> Callable[..., torch.Tensor]:
+    """``checkpoint(layer, part)`` through megatron-core's ``tensor_parallel.checkpoint``, the
+    ``run_function`` made as upstream makes it (``MTP_CHECKPOINTS``):
+
+    * ``closure``: Megatron-LM core_v0.19.0+ ``MultiTokenPredictionLayer._checkpointed_forward``:
+      ``custom_forward`` calls ``self._proj_and_transformer_layer`` (the layer is a closure cell);
+    * ``bound-method``: megatron-core 0.16.1: ``forward`` passes the bound method
+      ``self._proj_and_transformer_layer``; ``_checkpointed_forward`` hands it to
+      ``tensor_parallel.checkpoint`` unchanged;
+    * ``verl-run``: verl 0.9.1's ``_patched_checkpointed_forward`` (verl/models/mcore/mtp_patch.py)
+      on that bound method — its ``run`` closes over the method and two spec lists.
+    """
+    from megatron.core import tensor_parallel
+
+    if form not in MTP_CHECKPOINTS:
+        raise ValueError(f"unknown MTP checkpoint form {form!r}; allowed: {MTP_CHECKPOINTS}")
+    if form == "closure":
+        def checkpoint(layer, part):
+            def custom_forward(hidden_states):
+                return layer._proj_and_transformer_layer(hidden_states)
+
+            return tensor_parallel.checkpoint(custom_forward, False, part)
+    elif form == "bound-method":
+        def checkpoint(layer, part):
+            return tensor_parallel.checkpoint(layer._proj_and_transformer_layer, False, part)
+    else:
+        from repro.verl_release import import_verl
+
+        mtp_patch = import_verl("0.9.1", "verl.models.mcore.mtp_patch")
+
+        def checkpoint(layer, part):
+            return mtp_patch._patched_checkpointed_forward(
+                layer, layer._proj_and_transformer_layer, hidden_states=part)
+    return checkpoint
+
+
+def run_verl(version: str, mtp_checkpoint: str, fixed: bool, device: str) -> None:
+    """The graph through megatron-core, unfixed: verl ``version``'s released reclaim; fixed: the
+    alias-aware reclaim instead (verl not needed). Skipped (repro.Skipped) where the verl
+    release is not installed (``python -m repro.verl_release install``)."""
     from megatron.core import tensor_parallel
     from megatron.core.utils import make_viewless_tensor
 
-    setup_megatron(device)
+    from repro.verl_release import require_release
 
-    def checkpoint(fn, *args):
-        return tensor_parallel.checkpoint(fn, False, *args)
+    if not fixed or mtp_checkpoint == "verl-run":
+        require_release(version)
+    setup_megatron(device)
 
     def make_viewless(t):
         return make_viewless_tensor(inp=t, requires_grad=True, keep_graph=True)
 
-    _run(fixed, device, tensor_parallel.random.CheckpointFunction, checkpoint, make_viewless)
+    variant = "alias-aware" if fixed else f"verl-{version}"
+    _run(variant, device, tensor_parallel.random.CheckpointFunction,
+         megatron_mtp_checkpoint(mtp_checkpoint), make_viewless)
 
 
 def run_megatron_mtp(fixed: bool, device: str) -> None:
-    """megatron-core GPT + MTP (local spec, full uniform recompute, world size 1), unsafe reclaim
-    (``fixed=False``) or the fix, grads against no reclaim (WrongResult if they differ).
+    """megatron-core GPT + MTP (local spec, full uniform recompute, world size 1), verl 0.8.0's
+    reclaim (``fixed=False``) or the fix, grads against no reclaim (WrongResult if they differ).
 
     Both 0.16.1 and 0.19.2 feed the MTP layer ``torch.chunk(hidden_states, 1 + offset)[offset]``
     made viewless: a chunk view of the decoder output reaches a checkpoint. Whether anything
@@ -261,7 +397,7 @@ def run_megatron_mtp(fixed: bool, device: str) -> None:
 
     install_reclaim("none", CheckpointFunction)
     reference = step()
-    install_reclaim("alias-aware" if fixed else "unsafe", CheckpointFunction)
+    install_reclaim("alias-aware" if fixed else "verl-0.8.0", CheckpointFunction)
     with recompute_reclaim_events() as events:
         got = step()
     install_reclaim("none", CheckpointFunction)
@@ -289,13 +425,25 @@ REPROS = [
         upstream="verl #7328; verl #5251; Megatron-LM #3221",
     ),
     Repro(
-        name="shared-view-reclaim-megatron",
-        summary="the same with megatron-core's CheckpointFunction and make_viewless_tensor",
-        run=run_megatron,
+        name="shared-view-reclaim-verl080",
+        summary="verl 0.8.0's released reclaim on megatron-core: the MTP chunk view's storage "
+        "freed under the contraction's backward",
+        run=functools.partial(run_verl, "0.8.0", "closure"),
         signatures=_CPU_CRASH + _CUDA_CRASH,
         devices=("cpu", "cuda"),
         requires=("megatron",),
         timeout=180.0,
         upstream="verl #7328; verl #5251; Megatron-LM #3221",
+    ),
+    Repro(
+        name="shared-view-reclaim-verl091",
+        summary="verl 0.9.1's MTP skip misses megatron-core 0.16.1's MTP checkpoint (a bound "
+        "method, no closure): the same crash",
+        run=functools.partial(run_verl, "0.9.1", "bound-method"),
+        signatures=_CPU_CRASH + _CUDA_CRASH,
+        devices=("cpu", "cuda"),
+        requires=("megatron",),
+        timeout=180.0,
+        upstream="verl #7328 (the MTP skip); megatron-core 0.16.1 multi_token_prediction.py",
     ),
 ]

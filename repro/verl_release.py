@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from repro.registry import Skipped
+
 __all__ = [
     "ENV_ROOT",
     "RELEASES",
@@ -41,6 +43,7 @@ __all__ = [
     "install",
     "loaded_version",
     "release_dir",
+    "require_release",
     "verl_root",
 ]
 
@@ -49,8 +52,9 @@ DEFAULT_ROOT = Path("~/.cache/stackfix/verl-releases")
 RELEASES = ("0.8.0", "0.9.1")  # the releases the repros and tests compare
 
 
-class VerlUnavailable(ImportError):
-    """The requested verl release is not installed under the root; the message says how to."""
+class VerlUnavailable(Skipped, ImportError):
+    """The requested verl release is not installed under the root; the message says how to.
+    A ``repro.Skipped``: a repro that needs the release is reported skipped with that reason."""
 
 
 class VerlVersionConflict(RuntimeError):
@@ -66,7 +70,8 @@ def release_dir(version: str, root: Path | None = None) -> Path:
     return (verl_root() if root is None else Path(root)) / version
 
 
-def _check_installed(version: str) -> Path:
+def require_release(version: str) -> Path:
+    """The directory of release ``version``; VerlUnavailable if it is not installed."""
     where = release_dir(version)
     if not (where / "verl" / "__init__.py").is_file() or not (
         where / f"verl-{version}.dist-info"
@@ -130,7 +135,7 @@ def import_verl(version: str, module: str) -> ModuleType:
                 f"verl is already imported in this process from {sys.modules['verl'].__file__}; "
                 f"import_verl needs a process without it"
             )
-        _finder = _ReleaseFinder(version, _check_installed(version))
+        _finder = _ReleaseFinder(version, require_release(version))
         sys.meta_path.insert(0, _finder)
     elif _finder.version != version:
         raise VerlVersionConflict(

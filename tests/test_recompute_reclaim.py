@@ -31,10 +31,10 @@ from fixes.megatron import (
     recompute_reclaim_events,
     remove_recompute_reclaim_patch,
 )
-from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch, remove_unsafe_reclaim_patch
 from repro import run_isolated
 from repro.harness.leaks import ModuleStateLeak
-from repro.shared_view_reclaim import ViewlessAlias
+from repro.shared_view_reclaim import ViewlessAlias, install_reclaim
+from repro.verl_release import release_dir
 
 TARGET = tcp.CheckpointFunction
 EXAMPLES = int(os.environ.get("STACKFIX_HYPOTHESIS_EXAMPLES", "500"))
@@ -224,13 +224,13 @@ def test_generated_alias_graphs_cuda():
 
 
 @pytest.mark.cpu
-def test_the_batch_catches_the_unsafe_reclaim():
-    # The same invariants must fail when the reclaim is verl's: the child dies or asserts.
+def test_the_batch_catches_verls_reclaim_mechanism():
+    # The same invariants must fail under verl's reclaim mechanism (resize_(0) every input, put
+    # on torch's checkpoint by repro.shared_view_reclaim): the child dies or asserts.
     code = (
         f"import gc, sys; gc.disable(); sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import test_recompute_reclaim as t\n"
-        "from fixes.megatron.reclaim_baselines import apply_unsafe_reclaim_patch\n"
-        "t.apply_recompute_reclaim_patch = apply_unsafe_reclaim_patch\n"
+        "t.apply_recompute_reclaim_patch = lambda target: t.install_reclaim('resize-all', target)\n"
         "g = dict(chain=['chunk'], viewless=True, readers=[True] + [False] * 4,"
         " kept=[False] * 5, leak=False, cache=False)\n"
         "t.check_reclaim_invariants(g)\n"
@@ -278,15 +278,14 @@ def test_patch_is_idempotent_and_undo_restores_the_original():
         assert apply_recompute_reclaim_patch(TARGET) is False
         assert TARGET.__dict__["backward"] is wrapped
         assert wrapped.__func__.__wrapped__ is original.__func__  # wrapped, not copied
-        assert apply_unsafe_reclaim_patch(TARGET) is True  # replaces ours, one at a time
+        install_reclaim("resize-all", TARGET)  # replaces ours, one at a time
         assert TARGET.__dict__["backward"].__func__.__wrapped__ is original.__func__
         assert remove_recompute_reclaim_patch(TARGET) is False
-        assert remove_unsafe_reclaim_patch(TARGET) is True
+        install_reclaim("none", TARGET)
         assert TARGET.__dict__["backward"] is original
         assert remove_recompute_reclaim_patch(TARGET) is False
     finally:
-        remove_recompute_reclaim_patch(TARGET)
-        remove_unsafe_reclaim_patch(TARGET)
+        install_reclaim("none", TARGET)
     assert TARGET.__dict__["backward"] is original
 
 
@@ -323,12 +322,15 @@ def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["shared-view-reclaim", "shared-view-reclaim-megatron"])
+@pytest.mark.parametrize(
+    "name", ["shared-view-reclaim", "shared-view-reclaim-verl080", "shared-view-reclaim-verl091"]
+)
 def test_compute_sanitizer_memcheck(name):
     if SANITIZER is None:
         pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda/bin)")
-    if name.endswith("megatron"):
+    if "-verl" in name:
         pytest.importorskip("megatron.core", reason="megatron-core not installed")
+        _need_verl("0.8.0" if name.endswith("080") else "0.9.1")
     fixed = _memcheck(name, "--fixed")
     out = fixed.stdout + fixed.stderr
     assert fixed.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-4000:]
@@ -337,15 +339,22 @@ def test_compute_sanitizer_memcheck(name):
     assert "ERROR SUMMARY: 0 errors" not in out and "Invalid __global__" in out, out[-4000:]
 
 
+def _need_verl(version: str) -> None:
+    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
+        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
+                    "(python -m repro.verl_release install)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", [False, True], ids=["unsafe-reclaim", "alias-aware"])
+@pytest.mark.parametrize("fixed", [False, True], ids=["verl-0.8.0", "alias-aware"])
 def test_megatron_gpt_mtp_finding_chunked_mtp_input_is_not_read_after_its_backward(fixed):
     """A recorded finding, kept under test (H200, megatron-core 0.19.2, 2026-11-30): a real
     GPT + MTP (local spec, full recompute) feeds the MTP layer a viewless torch.chunk of the
-    decoder output, yet verl's unsafe reclaim does NOT crash it and the grads equal the
+    decoder output, yet verl 0.8.0's reclaim does NOT crash it and the grads equal the
     no-reclaim run: nothing reads that storage after the MTP checkpoint's backward. If a
-    megatron-core release makes the unsafe path fail here, promote it to a repro."""
+    megatron-core release makes verl's path fail here, promote it to a repro."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    _need_verl("0.8.0")
     code = (
         "from repro.shared_view_reclaim import run_megatron_mtp\n"
         f"run_megatron_mtp({fixed}, 'cuda')\n"

@@ -64,10 +64,12 @@ def test_second_version_in_one_process_is_refused(fake_root):
 
 def test_missing_release_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_ROOT, str(tmp_path))
-    from repro.verl_release import _check_installed  # no import state touched
+    from repro import Skipped
+    from repro.verl_release import require_release  # no import state touched
 
-    with pytest.raises(VerlUnavailable, match="python -m repro.verl_release install --root"):
-        _check_installed("0.9.1")
+    with pytest.raises(VerlUnavailable, match="python -m repro.verl_release install --root") as e:
+        require_release("0.9.1")
+    assert isinstance(e.value, Skipped) and isinstance(e.value, ImportError)
 
 
 @pytest.mark.parametrize("version", RELEASES)

