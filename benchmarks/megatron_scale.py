@@ -125,22 +125,28 @@ def _site(frames: list[dict]) -> str:
     return "?"
 
 
+_MARK_BYTES = 7919 * 512  # an allocation of this size marks where the measured step begins
+
+
 def peak_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
-    """Replay a memory-history trace; the ``top`` allocation sites by bytes live at its peak
-    (blocks allocated before the trace count in the running total, not in the sites)."""
+    """Replay a memory-history trace recorded from before the model was built; the ``top``
+    allocation sites by bytes live at the highest point after the marker allocation (the
+    measured step), blocks from the build and the warm-up step included."""
     live: dict[int, tuple[int, str]] = {}
     total = best = 0
     at_peak: dict[int, tuple[int, str]] = {}
+    measuring = False
     for trace in snapshot.get("device_traces", []):
         for ev in trace:
             if ev["action"] == "alloc":
+                if ev["size"] == _MARK_BYTES:
+                    measuring = True
                 live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
                 total += ev["size"]
-                if total > best:
+                if measuring and total > best:
                     best, at_peak = total, dict(live)
-            elif ev["action"] == "free_requested":
-                live.pop(ev["addr"], None)
-                total -= ev["size"]
+            elif ev["action"] == "free_requested" and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
     sites: dict[str, int] = {}
     for size, site in at_peak.values():
         sites[site] = sites.get(site, 0) + size
@@ -152,6 +158,8 @@ def _measure(cell: Cell, steps: int, trace: bool = False) -> None:
 
     from fixes.megatron import recompute_reclaim_events
 
+    if trace:  # from before the build: every live block at the peak gets its site
+        torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
     gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype)
     ids = torch.randint(0, 32000, (1, cell.seq), device="cuda")
     pos = torch.arange(cell.seq, device="cuda").unsqueeze(0)
@@ -167,11 +175,11 @@ def _measure(cell: Cell, steps: int, trace: bool = False) -> None:
     gc.collect()
     gc.disable()
     try:
+        if trace:  # the marker: the replay's window opens here
+            torch.empty(_MARK_BYTES, dtype=torch.uint8, device="cuda")
         base = torch.cuda.memory_allocated()
         requested_base = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
         torch.cuda.reset_peak_memory_stats()
-        if trace:
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         with recompute_reclaim_events() as events:
             step()
         torch.cuda.synchronize()
