@@ -10,9 +10,11 @@ mHC exists; see fixes/megatron/mtp_postprocess.py for the files it follows), in 
 2. The model's ``_postprocess`` must hand ``mhc_multistream`` to the MTP block, which feeds its
    depths from the streams; each MTP layer views its input as ``(s, b, n, h)``, mixes in the
    next token's embedding per stream, and its output is contracted for the MTP loss.
-3. verl's replacement postprocess (verl #7328) took ``mhc_multistream`` and never passed it on,
-   so the MTP block fed its depth from the contracted states and the view failed:
+3. verl's replacement postprocess, as verl #7328 reports it, took ``mhc_multistream`` and never
+   passed it on, so the MTP block fed its depth from the contracted states and the view failed:
    ``RuntimeError: shape '[23986, 1, 4, 4096]' is invalid for input of size 98246656``.
+   (No verl release has that copy; repro/mtp_shape_megatron_dev.py runs the real dev model
+   behind verl 0.8.0's released one.)
 
 Unfixed: ``MHCGPT._postprocess`` drops the streams (as verl's did) -> that RuntimeError, here
 ``shape '[16, 2, 2, 64]' is invalid for input of size 2048``. Fixed: the class is patched with
@@ -188,8 +190,8 @@ class MHCGPT(nn.Module):
         return self._postprocess(hidden_states, input_ids, labels, mhc_multistream=mhc_multistream)
 
     def _postprocess(self, hidden_states, input_ids, labels, mhc_multistream=None):
-        # The unfixed postprocess: like verl's copy before #7328 it takes mhc_multistream and
-        # never passes it to self.mtp.
+        # The unfixed postprocess: like the copy verl #7328 reports, it takes mhc_multistream
+        # and never passes it to self.mtp.
         hidden_states = self.mtp(
             input_ids=input_ids, hidden_states=hidden_states, embedding=self.embedding
         )

@@ -157,6 +157,54 @@ def test_apply_and_remove_are_idempotent_and_restore_the_original():
     assert not mp.is_mtp_postprocess_patched(MHCGPT)  # the base class was never touched
 
 
+def _verl_style_postprocess(self, hidden_states, input_ids):
+    """A per-instance replacement as verl's patch_postprocess assigns it: an old body, no
+    mhc_multistream, no padding_mask."""
+    return self.mtp(input_ids=input_ids, hidden_states=hidden_states, embedding=None)
+
+
+class _PatchableGPT(_DroppingGPT):
+    """A fresh class per test, so the class-level patch never leaks."""
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("order", ["instance-first", "class-first"])
+def test_a_per_instance_replacement_is_wrapped_whenever_it_is_assigned(order):
+    cls = type("GPT", (_PatchableGPT,), {})
+    model = cls(_RecordingMTP())
+    h, ids, streams = torch.randn(4, 1, 8), torch.zeros(4, 1, dtype=torch.long), torch.randn(4, 1, 16)
+    if order == "class-first":
+        assert mp.apply_mtp_postprocess_patch(cls)
+    backup = model._postprocess  # verl: model._postprocess_backup = model._postprocess
+    model._postprocess = _verl_style_postprocess.__get__(model, cls)  # verl: patch_postprocess
+    if order == "instance-first":
+        assert mp.apply_mtp_postprocess_patch(cls)
+    assert "_postprocess" in model.__dict__  # the replacement is stored, not discarded
+    model._postprocess(h, ids, mhc_multistream=streams, padding_mask=None)
+    assert model.mtp.calls[-1] is streams
+    model._postprocess = backup  # verl: unpatch_postprocess
+    if order == "class-first":
+        assert "_postprocess" not in model.__dict__  # the class's own (wrapped) again
+    model._postprocess(h, ids, mhc_multistream=streams)
+    assert model.mtp.calls[-1] is streams
+    assert mp.remove_mtp_postprocess_patch(cls)
+    model._postprocess = _verl_style_postprocess.__get__(model, cls)
+    with pytest.raises(TypeError, match="mhc_multistream"):  # unpatched: a plain attribute
+        model._postprocess(h, ids, mhc_multistream=streams)
+
+
+@pytest.mark.cpu
+def test_keywords_the_wrapped_postprocess_lacks_are_dropped_only_when_none():
+    """dev's GPTModel.forward passes padding_mask/output_processor=None to a postprocess copied
+    from an older GPTModel (verl 0.8.0's): None is the copy's own assumption, a value is not."""
+    model = _NoKwargGPT(_RecordingMTP())
+    wrapped = mp.wrap_postprocess(_NoKwargGPT._postprocess)
+    h, ids = torch.randn(4, 1, 8), torch.zeros(4, 1, dtype=torch.long)
+    assert wrapped(model, h, ids, padding_mask=None, output_processor=None) is h
+    with pytest.raises(TypeError, match="padding_mask"):
+        wrapped(model, h, ids, padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+
+
 @pytest.mark.cpu
 def test_repro_mtp_block_declares_the_parameter_the_wrapper_looks_for():
     # the repro's fixed path goes through the same accept check as megatron's MTP block

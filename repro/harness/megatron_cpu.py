@@ -20,6 +20,14 @@ Why: verl's reclaim (``apply_patch_megatron_recomputation_backward`` in
 compiled with CUDA enabled" and the second has no CPU kernel. A CPU has no streams to order:
 ``current_stream()`` returns ``torch.Stream("cpu")`` and ``record_stream`` on a CPU tensor does
 nothing. verl's ``resize_(0)`` — the behaviour under test — runs as released.
+
+3. ``GlobalMemoryBuffer`` (``install_megatron_cpu_memory_buffer_shim``): the local spec's
+   attention asks it for scratch tensors, which it allocates on ``torch.cuda.current_device()``.
+
+4. NVTX ranges (``install_nvtx_cpu_shim``): Megatron-LM dev's hyper-connection module opens
+   ``torch.cuda.nvtx.range(...)`` unconditionally; a CPU-only torch build ships a stub there that
+   raises "NVTX functions not installed". The shim makes those calls no-ops (what NVTX is without
+   a profiler attached); nothing of megatron is touched.
 """
 
 from __future__ import annotations
@@ -84,11 +92,47 @@ def install_megatron_cpu_memory_buffer_shim(force: bool = False) -> bool:
     return True
 
 
+class _NoNVTX:
+    """``torch._C._nvtx``'s calls, doing nothing."""
+
+    @staticmethod
+    def rangePushA(msg):  # noqa: N802 - torch's names
+        return 0
+
+    @staticmethod
+    def rangePop():  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeStartA(msg):  # noqa: N802
+        return 0
+
+    @staticmethod
+    def rangeEnd(range_id):  # noqa: N802
+        return None
+
+    @staticmethod
+    def markA(msg):  # noqa: N802
+        return None
+
+
+def install_nvtx_cpu_shim() -> bool:
+    """Make ``torch.cuda.nvtx`` calls no-ops on a torch build without NVTX (CPU-only builds).
+    Returns True if installed now or before, False where torch has NVTX (nothing to do)."""
+    import torch.cuda.nvtx as nvtx
+
+    if hasattr(torch._C, "_nvtx"):
+        return False
+    nvtx._nvtx = _NoNVTX()
+    return True
+
+
 def install_megatron_cpu_shims(force: bool = False) -> bool:
-    """Both shims: what a tiny megatron-core GPT (local spec) needs to run on CPU."""
+    """All shims: what a tiny megatron GPT (local spec) needs to run on CPU."""
     rng = install_megatron_cpu_rng_shim(force)
     buf = install_megatron_cpu_memory_buffer_shim(force)
-    return rng or buf
+    nvtx = install_nvtx_cpu_shim()
+    return rng or buf or nvtx
 
 
 def _cpu_current_stream(device=None) -> torch.Stream:
