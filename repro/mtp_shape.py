@@ -239,9 +239,21 @@ def run(fixed: bool, device: str, cfg: MTPShapeConfig | None = None) -> None:
         raise WrongResult(f"loss is not finite: {loss.item()}")
     if mtp_losses.numel() != cfg.mtp_depths or not torch.isfinite(mtp_losses).all():
         raise WrongResult(f"MTP losses missing or not finite: {mtp_losses.tolist()}")
-    if not torch.isclose(loss, lm_loss + cfg.mtp_loss_scale * mtp_losses.mean()):
-        raise WrongResult("the MTP loss is not part of the training loss")
     streams = seen["decoder"][1]
+    # An independent oracle: the MTP losses the model reported must be the ones its MTP block
+    # computes from the decoder's own streams, called directly with them here.
+    contracted = seen["decoder"][0]
+    with torch.no_grad():
+        direct = model.mtp(input_ids=input_ids, hidden_states=contracted,
+                           embedding=model.embedding, mhc_multistream=streams)
+        depth_out = torch.chunk(direct, 1 + cfg.mtp_depths, dim=0)[1:]
+        shifted, expected = labels, []
+        for out in depth_out:
+            shifted = torch.roll(shifted, shifts=-1, dims=0)
+            expected.append(model._loss(out, shifted))
+    if not torch.allclose(mtp_losses.detach(), torch.stack(expected), rtol=1e-6, atol=1e-6):
+        raise WrongResult(f"MTP losses {mtp_losses.tolist()} are not those of the MTP block on the "
+                          f"decoder's streams {torch.stack(expected).tolist()}")
     depth_input = seen["depth_input"]
     if depth_input.shape[-1] != cfg.streams * cfg.hidden or (
         depth_input.untyped_storage().data_ptr() != streams.untyped_storage().data_ptr()
