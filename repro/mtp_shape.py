@@ -240,6 +240,7 @@ def run(fixed: bool, device: str, cfg: MTPShapeConfig | None = None) -> None:
     if mtp_losses.numel() != cfg.mtp_depths or not torch.isfinite(mtp_losses).all():
         raise WrongResult(f"MTP losses missing or not finite: {mtp_losses.tolist()}")
     streams = seen["decoder"][1]
+    depth_input = seen["depth_input"]  # before the direct call below runs the hook again
     # An independent oracle: the MTP losses the model reported must be the ones its MTP block
     # computes from the decoder's own streams, called directly with them here.
     contracted = seen["decoder"][0]
@@ -254,7 +255,6 @@ def run(fixed: bool, device: str, cfg: MTPShapeConfig | None = None) -> None:
     if not torch.allclose(mtp_losses.detach(), torch.stack(expected), rtol=1e-6, atol=1e-6):
         raise WrongResult(f"MTP losses {mtp_losses.tolist()} are not those of the MTP block on the "
                           f"decoder's streams {torch.stack(expected).tolist()}")
-    depth_input = seen["depth_input"]
     if depth_input.shape[-1] != cfg.streams * cfg.hidden or (
         depth_input.untyped_storage().data_ptr() != streams.untyped_storage().data_ptr()
     ):
