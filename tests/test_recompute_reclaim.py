@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.checkpoint as tcp
+from alias_ops import GRAD_VIEW_OPS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -43,18 +44,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-VIEW_OPS = {
-    "chunk": lambda t: torch.chunk(t, 2, dim=-1)[-1],
-    "narrow": lambda t: t.narrow(0, 0, max(1, t.shape[0] - 1)),
-    "slice": lambda t: t[:, ::2],
-    "transpose": lambda t: t.t(),
-    "expand": lambda t: t[:1].expand(3, t.shape[1]),
-    "as_strided": lambda t: t.as_strided((2, 2), (1, 1)),
-}
 
 
 alias_graphs = st.fixed_dictionaries({
-    "chain": st.lists(st.sampled_from(sorted(VIEW_OPS)), min_size=0, max_size=4),
+    "chain": st.lists(st.sampled_from(sorted(GRAD_VIEW_OPS)), min_size=0, max_size=4),
     "viewless": st.booleans(),
     # per chain position (0 = h itself): a reader saving it, created before the checkpoint
     "readers": st.lists(st.booleans(), min_size=5, max_size=5),
@@ -91,7 +84,7 @@ def _step(graph, params, x, leaks):
     h = proj(x)
     chain = [h]
     for op in graph["chain"]:
-        chain.append(VIEW_OPS[op](chain[-1]))
+        chain.append(GRAD_VIEW_OPS[op](chain[-1]))
     loss = 0
     for i, t in enumerate(chain):
         if graph["readers"][i]:

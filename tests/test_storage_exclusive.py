@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from alias_ops import VIEW_OPS, data_alias
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,26 +21,6 @@ settings.register_profile(
     deadline=None, suppress_health_check=[HealthCheck.too_slow],
 )
 
-# Each op makes a new TensorImpl on the same storage (shapes kept 2-D, sizes >= 1).
-VIEW_OPS = {
-    "chunk": lambda t: torch.chunk(t, 2, dim=-1)[-1],
-    "narrow": lambda t: t.narrow(0, 0, max(1, t.shape[0] - 1)),
-    "slice": lambda t: t[:, ::2],
-    "transpose": lambda t: t.t(),
-    "expand": lambda t: t[:1].expand(3, t.shape[1]),
-    "as_strided": lambda t: t.as_strided((1, 1), (1, 1)),
-    "view": lambda t: t.reshape(-1).view(1, -1) if t.is_contiguous() else t[:1],
-    "detach": lambda t: t.detach(),
-    "data_alias": lambda t: _data_alias(t),
-}
-
-
-def _data_alias(t: torch.Tensor) -> torch.Tensor:
-    # megatron's make_viewless_tensor: a new tensor whose .data is t's (no _base).
-    out = torch.empty((1,), dtype=t.dtype)
-    out.data = t.data
-    assert out._base is None
-    return out
 
 
 alias_graphs = st.fixed_dictionaries({
@@ -97,7 +78,7 @@ def test_each_alias_kind_counts_as_sharing(op):
 def test_chunk_siblings_and_viewless_alias_of_a_chunk():
     h = torch.randn(4, 8)
     a, b = torch.chunk(h, 2, dim=-1)
-    viewless = _data_alias(a)
+    viewless = data_alias(a)
     del a
     assert not is_storage_exclusive(viewless)  # h and b still live
     assert not is_storage_exclusive(viewless, owners=[b])  # h still live
