@@ -158,14 +158,16 @@ class Cell:
         return json.dumps(data)
 
 
-def _build(ac: str, fix: str, device: str, probe: Probe):
+def build_model(ac: str, fix: str, device: str, probe: Probe):
+    """The seeded TypedModel and its input (leaf, requires grad): the same weights every call."""
     torch.manual_seed(SEED)
     model = TypedModel(ac, fix, probe).to(device)
     x = torch.randn(TOKENS, DIM, device=device, requires_grad=True)
     return model, x
 
 
-def _grads(model, x):
+def grads_of(model, x):
+    """Copies of every parameter's grad, then x's."""
     return [p.grad.detach().clone() for p in model.parameters()] + [x.grad.detach().clone()]
 
 
@@ -174,10 +176,10 @@ def _reference_grads(device: str):
     """Gradients without activation checkpointing (no recompute, so no mesh question)."""
     from repro.harness.spmd_mesh import spmd_mesh
 
-    model, x = _build("none", "none", device, Probe())
+    model, x = build_model("none", "none", device, Probe())
     with spmd.set_current_mesh(spmd_mesh()):
         model(x).backward()
-    return _grads(model, x)
+    return grads_of(model, x)
 
 
 def _maybe_single_threaded(fix: str):
@@ -197,7 +199,7 @@ def run_cell(placement: str, ac: str, fix: str, device: str) -> Cell:
     mesh = spmd_mesh()
     reference = _reference_grads(device)
     probe = Probe()
-    model, x = _build(ac, fix, device, probe)
+    model, x = build_model(ac, fix, device, probe)
     cell = Cell(placement, ac, fix, device)
     x.register_hook(lambda g: setattr(cell, "after_recompute", {
         "thread": threading.get_ident(), "mesh": _mesh_names()}))
@@ -242,7 +244,7 @@ def run_cell(placement: str, ac: str, fix: str, device: str) -> Cell:
         cell.error = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
     cell.recompute = [c for c in probe.calls if c["phase"] == "backward"]
     if cell.error is None:
-        cell.grads_equal = all(torch.equal(a, b) for a, b in zip(_grads(model, x), reference,
+        cell.grads_equal = all(torch.equal(a, b) for a, b in zip(grads_of(model, x), reference,
                                                                  strict=True))
     return cell
 

@@ -17,17 +17,25 @@ the release, so a leaf's own ``from verl.x.y import z`` loads leaf ``x/y.py`` of
 A leaf that needs a name defined in a package ``__init__`` fails with the ImportError naming it.
 
 One release per process (repros run each in a child process): a second version is refused.
+
+``released_function(version, module, qualname, namespace)`` is the narrower path for a leaf
+that cannot be imported on the stack under test: it compiles one function of the released
+file, and nothing else of it (see its docstring).
 """
 
 from __future__ import annotations
+import __future__
 
 import argparse
+import ast
+import builtins
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import subprocess
+import symtable
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -43,6 +51,7 @@ __all__ = [
     "install",
     "loaded_version",
     "release_dir",
+    "released_function",
     "require_release",
     "verl_root",
 ]
@@ -143,6 +152,70 @@ def import_verl(version: str, module: str) -> ModuleType:
             f"(run verl {version} in a child process)"
         )
     return importlib.import_module(module)
+
+
+def released_function(version: str, module: str, qualname: str, namespace: dict):
+    """One function of verl ``version``'s released ``module`` file, compiled from that file's
+    bytes, its global names resolved in ``namespace`` (nothing else of the module runs).
+
+    Why: some leaves cannot be imported on the stack a repro runs on. verl 0.9.1's
+    ``verl/workers/engine/torchtitan/transformer_impl.py`` imports torchtitan names that
+    torchtitan 0.3.0 lacks (``torchtitan.components.lr_scheduler``), ``torchtitan.train``
+    (which does not import on torch 2.11), tensordict and a dozen verl modules -- while the
+    function under test, ``TorchTitanEngine._init_device_mesh``, reads only ``torch`` and
+    ``ParallelDims``. Compiling that one ``def`` (a method is a plain function; call it with any
+    object holding the attributes it reads) runs verl's code as released, with no copy of it in
+    this repository. Tracebacks point at the released file and line.
+
+    ``qualname`` is ``"func"`` or ``"Class.method"``. Raises VerlUnavailable if the release is
+    not installed, LookupError if the file has no such function, ValueError if it reads a
+    global (decorators included) that is neither in ``namespace`` nor a builtin (named, so
+    nothing fails halfway), or calls ``super()`` (it needs the class, which is not built).
+    """
+    path = require_release(version).joinpath(*module.split(".")).with_suffix(".py")
+    if not path.is_file():
+        raise LookupError(f"verl {version} has no module {module} ({path})")
+    source = path.read_text(encoding="utf-8")
+    body = ast.parse(source, filename=str(path)).body
+    # The file's own ``from __future__`` imports apply to the def (e.g. lazy annotations).
+    futures = [n for n in body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
+    flags = 0
+    for n in futures:
+        for alias in n.names:
+            flags |= getattr(__future__, alias.name).compiler_flag
+    *classes, name = qualname.split(".")
+    for part in classes:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part), [])
+    node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name), None)
+    if node is None:
+        raise LookupError(f"verl {version}: {module} has no function {qualname} ({path})")
+    # What the def reads from its module: decorators (top level) and the body's globals.
+    top = symtable.symtable(ast.unparse(ast.Module(body=[*futures, node], type_ignores=[])),
+                            str(path), "exec")
+    read = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+    read |= _global_reads(next(t for t in top.get_children() if t.get_name() == name))
+    if "super" in read:
+        raise ValueError(f"{qualname} uses super(); released_function cannot build its class")
+    missing = sorted(n for n in read if n not in namespace and not hasattr(builtins, n))
+    if missing:
+        raise ValueError(f"verl {version} {module}.{qualname} reads globals {missing}: "
+                         "pass them in namespace")
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec", flags=flags,
+                   dont_inherit=True)
+    scope = {**namespace, "__name__": module, "__file__": str(path)}
+    exec(code, scope)  # noqa: S102 - verl's released bytes, the point of this loader
+    function = scope[name]
+    function.__qualname__ = qualname
+    return function
+
+
+def _global_reads(table: symtable.SymbolTable) -> set[str]:
+    """Global names a function (and anything nested in it) reads."""
+    names = {s.get_name() for s in table.get_symbols() if s.is_global()}
+    for child in table.get_children():
+        names |= _global_reads(child)
+    return names
 
 
 def install(versions=RELEASES, root: Path | None = None) -> list[Path]:

@@ -87,3 +87,61 @@ def test_real_release_patch_module_imports_without_verl_dependencies(version):
         print("REAL-OK", patch.__file__)
     """, release_dir(version).parent)
     assert r.ok and f"REAL-OK {release_dir(version)}" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.fixture
+def function_root(tmp_path):
+    """Release 9.9.9 whose module cannot be imported (its top level raises) but whose functions
+    can be compiled one at a time."""
+    rel = tmp_path / "9.9.9"
+    (rel / "verl-9.9.9.dist-info").mkdir(parents=True)
+    (rel / "verl/x").mkdir(parents=True)
+    (rel / "verl/__init__.py").write_text("")
+    (rel / "verl/x/mod.py").write_text(textwrap.dedent("""\
+        from __future__ import annotations
+        raise ImportError("module top level ran")
+
+        class Engine(Base):
+            def scale(self, x: NotImported) -> NotImported:
+                return FACTOR * x + self.offset
+
+            def helper(self):
+                return super().helper()
+
+        def boom():
+            raise ValueError("released line")
+        """))
+    return tmp_path
+
+
+def test_released_function_runs_one_def_and_nothing_else(function_root, monkeypatch):
+    monkeypatch.setenv(ENV_ROOT, str(function_root))
+    from types import SimpleNamespace
+
+    from repro.verl_release import released_function
+
+    scale = released_function("9.9.9", "verl.x.mod", "Engine.scale", {"FACTOR": 3})
+    assert scale(SimpleNamespace(offset=1), 2) == 7  # the module's raise never ran
+    assert scale.__code__.co_filename == str(function_root / "9.9.9/verl/x/mod.py")
+    assert scale.__code__.co_firstlineno == 5  # tracebacks name the released line
+    assert scale.__annotations__ == {"x": "NotImported", "return": "NotImported"}  # file's future
+    boom = released_function("9.9.9", "verl.x.mod", "boom", {})
+    with pytest.raises(ValueError, match="released line") as e:
+        boom()
+    assert e.traceback[-1].lineno + 1 == 12
+
+
+def test_released_function_names_what_it_cannot_do(function_root, monkeypatch):
+    monkeypatch.setenv(ENV_ROOT, str(function_root))
+    from repro.verl_release import released_function
+
+    with pytest.raises(ValueError, match=r"reads globals \['FACTOR'\]"):
+        released_function("9.9.9", "verl.x.mod", "Engine.scale", {})
+    with pytest.raises(ValueError, match="uses super"):
+        released_function("9.9.9", "verl.x.mod", "Engine.helper", {})
+    with pytest.raises(LookupError, match="has no function Engine.nope"):
+        released_function("9.9.9", "verl.x.mod", "Engine.nope", {})
+    with pytest.raises(LookupError, match="has no module verl.x.other"):
+        released_function("9.9.9", "verl.x.other", "f", {})
+    with pytest.raises(VerlUnavailable):
+        released_function("0.0.1", "verl.x.mod", "boom", {})

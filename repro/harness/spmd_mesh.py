@@ -30,6 +30,14 @@ def ensure_process_group() -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
+def ensure_fake_backend() -> None:
+    """Register torch's ``fake`` c10d backend. torchtitan 0.3.0's ``ParallelDims.build_mesh``
+    puts every disabled (size-1) mesh dim on it (``backend_override``), and torch 2.13 registers
+    it only when ``torch.testing._internal.distributed.fake_pg`` is imported (torchtitan itself
+    imports it only in its fake-mode init). Torch's own registration; no collective runs on it."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers it, once
+
+
 def spmd_mesh(dim_name: str = "tp") -> DeviceMesh:
     """A 1-D CPU ``DeviceMesh`` over the whole (default) process group, with a named dim as
     spmd_types requires."""
