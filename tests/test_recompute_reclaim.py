@@ -206,9 +206,15 @@ def _run_batch_in_child(device: str, examples: int):
     assert r.ok and "BATCH-OK" in r.stdout, f"{r.describe()}\n{r.stderr[-4000:]}"
 
 
+# The CPU batch in shards, one child each, so xdist workers run them side by side: the same
+# number of generated graphs in all, each shard drawing its own (derandomize is off).
+CPU_SHARDS = 4
+
+
 @pytest.mark.cpu
-def test_generated_alias_graphs_cpu():
-    _run_batch_in_child("cpu", EXAMPLES)
+@pytest.mark.parametrize("shard", range(CPU_SHARDS))
+def test_generated_alias_graphs_cpu(shard):
+    _run_batch_in_child("cpu", -(-EXAMPLES // CPU_SHARDS))
 
 
 @pytest.mark.gpu
