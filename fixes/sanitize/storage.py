@@ -1,0 +1,223 @@
+"""``storage_sanitizer()``: an op that would read or write memory given back by
+``UntypedStorage.resize_`` raises ``ReleasedStorageError`` before its kernel runs.
+
+Why: verl's recompute reclaim (verl #5251, #7328) ``resize_(0)``\\ s storages that chunk views
+share; the later reader dies with SIGSEGV on CPU or a CUDA illegal memory access, far from the
+release, or reads garbage once the storage is grown again. Nothing in PyTorch names the culprit.
+
+How, while active: ``torch.UntypedStorage.resize_`` is wrapped to record every shrink with its
+Python call site, and a ``TorchDispatchMode`` checks the tensor arguments of every op against the
+shrunk storages that are still alive. The autograd engine runs backward ops under the modes of
+the thread that called ``backward()``, also on its device threads. Until a shrink is recorded (and
+again once every shrunk storage is gone) the mode only forwards each op: the fast path.
+
+Not seen: ops on threads other than the one that entered (and autograd's workers for its
+backward passes), shrinks made from C++, and reads of a storage that was shrunk and grown again
+(memory-safe, but the bytes are uninitialised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fixes.sanitize._callsite import call_site, describe_site
+
+__all__ = ["ReleasedStorageError", "StorageRelease", "StorageSanitizer", "storage_sanitizer"]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRelease:
+    """One shrink of a storage, and where it happened (innermost frame first)."""
+
+    storage: int  # StorageImpl address, as fixes.megatron.storage.storage_key gives it
+    nbytes_before: int
+    nbytes_after: int
+    site: tuple[str, ...]
+    thread: str
+
+    def describe(self) -> str:
+        return (f"resize_({self.nbytes_after}) ({self.nbytes_before} -> {self.nbytes_after} bytes) "
+                f"at {describe_site(self.site)} [thread {self.thread}]")
+
+
+class ReleasedStorageError(RuntimeError):
+    """An op was about to touch a tensor whose storage was released (shrunk) under it."""
+
+    def __init__(self, op: str, index: int, tensor: torch.Tensor, needed: int, nbytes: int,
+                 release: StorageRelease):
+        self.op, self.release = op, release
+        self.shape = tuple(tensor.shape)
+        super().__init__(
+            f"{op} would access freed memory: its tensor argument #{index} "
+            f"(shape {list(self.shape)}, {tensor.dtype}, {tensor.device}) needs {needed} bytes of "
+            f"a storage that now holds {nbytes}; the storage was released by "
+            f"UntypedStorage.{release.describe()}"
+        )
+
+
+# Ops that touch no element of their tensor arguments (views and metadata-only factories are
+# found by ``OpOverload.is_view`` on top of this list).
+_NO_DATA_OPS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("detach", "alias", "set_", "resize_", "record_stream", "empty_like", "new_empty",
+                 "new_empty_strided", "zeros_like", "ones_like", "full_like", "new_zeros",
+                 "new_ones", "new_full", "rand_like", "randn_like", "randint_like",
+                 "is_same_size", "_has_same_storage_numel", "sym_size", "sym_stride",
+                 "sym_numel", "sym_storage_offset")
+    if hasattr(torch.ops.aten, name)
+)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _needed_bytes(t: torch.Tensor) -> int:
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (t.storage_offset() + extent) * t.element_size()
+
+
+def _checkable(t) -> bool:
+    return (isinstance(t, torch.Tensor) and type(t) in _PLAIN and t.layout is torch.strided
+            and not t.is_meta and not t.is_nested and t.numel() > 0)
+
+
+class StorageSanitizer:
+    """What ``storage_sanitizer()`` yields: ``releases`` lists every shrink recorded so far."""
+
+    def __init__(self) -> None:
+        self.releases: list[StorageRelease] = []
+        # Shrunk storages still alive: address -> (weak reference, release). PyTorch keeps one
+        # Python object per live StorageImpl, so the weak reference dies with the storage itself
+        # (and the address cannot be reused while the entry is here). Strong references would
+        # change the storage use counts that fixes.megatron.is_storage_exclusive reads.
+        self._live: dict[int, tuple[weakref.ref, StorageRelease]] = {}
+        self._lock = threading.Lock()
+        self._data_ops: dict = {}
+
+    def record(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
+        key = storage._cdata
+        release = StorageRelease(key, before, after, call_site(),
+                                 threading.current_thread().name)
+
+        def gone(ref, key=key):
+            with self._lock:
+                if self._live.get(key, (None,))[0] is ref:
+                    del self._live[key]
+
+        with self._lock:
+            self.releases.append(release)
+            self._live[key] = (weakref.ref(storage, gone), release)
+
+    def regrown(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            self._live.pop(storage._cdata, None)
+
+    def reads_data(self, func) -> bool:
+        known = self._data_ops.get(func)
+        if known is None:
+            known = self._data_ops[func] = not (func.is_view or func.overloadpacket in _NO_DATA_OPS)
+        return known
+
+    def check(self, func, args, kwargs) -> None:
+        """Raise if one of the op's tensor arguments lies (partly) in released memory."""
+        for index, t in enumerate(pytree.tree_leaves((args, kwargs))):
+            if not _checkable(t):
+                continue
+            storage = t.untyped_storage()
+            entry = self._live.get(storage._cdata)
+            if entry is None:
+                continue
+            needed, nbytes = _needed_bytes(t), storage.nbytes()
+            if nbytes < needed:
+                raise ReleasedStorageError(str(func), index, t, needed, nbytes, entry[1])
+
+
+class _CheckReleasedStorage(TorchDispatchMode):
+    def __init__(self, sanitizer: StorageSanitizer, resize_storage_bytes) -> None:
+        super().__init__()
+        self.sanitizer = sanitizer
+        self.resize_storage_bytes = resize_storage_bytes  # torch.compile / FSDP2's resize op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in types:  # a tensor subclass (DTensor, FakeTensor...): let it unwrap first,
+            if t not in _PLAIN:  # this mode then sees the ops on its inner tensors
+                return NotImplemented
+        kwargs = kwargs or {}
+        if func is self.resize_storage_bytes:
+            storage = args[0].untyped_storage()
+            before = storage.nbytes()
+            out = func(*args, **kwargs)
+            _note_resize(self.sanitizer, storage, before)
+            return out
+        if self.sanitizer._live and self.sanitizer.reads_data(func):
+            self.sanitizer.check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _note_resize(sanitizer: StorageSanitizer, storage, before: int) -> None:
+    after = storage.nbytes()
+    if after < before:
+        sanitizer.record(storage, before, after)
+    elif after > before:
+        sanitizer.regrown(storage)
+
+
+_MISSING = object()
+_active: tuple[StorageSanitizer, tuple[str, ...]] | None = None
+_active_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def storage_sanitizer() -> Iterator[StorageSanitizer]:
+    """While active, an op that touches a tensor whose storage was released (``resize_`` to
+    fewer bytes than it needs) raises ``ReleasedStorageError`` naming the op, the tensor and
+    the release site. Not reentrant: entering it while it is active raises RuntimeError."""
+    global _active
+    here = call_site()
+    with _active_lock:
+        if _active is not None:
+            raise RuntimeError(
+                "storage_sanitizer() is already active (entered at "
+                f"{describe_site(_active[1])}); it cannot be nested or entered twice at once"
+            )
+        sanitizer = StorageSanitizer()
+        _active = (sanitizer, here)
+    cls = torch.UntypedStorage
+    own = cls.__dict__.get("resize_", _MISSING)
+    original = cls.resize_
+
+    def resize_(storage, size):
+        before = storage.nbytes()
+        result = original(storage, size)
+        _note_resize(sanitizer, storage, before)
+        return result
+
+    try:
+        cls.resize_ = resize_
+        with _CheckReleasedStorage(sanitizer, _resize_storage_bytes_op()):
+            yield sanitizer
+    finally:
+        try:
+            if cls.__dict__.get("resize_") is not resize_:
+                raise RuntimeError("torch.UntypedStorage.resize_ was replaced while "
+                                   "storage_sanitizer() was active; not restoring it")
+            if own is _MISSING:
+                del cls.resize_
+            else:
+                cls.resize_ = own
+        finally:
+            with _active_lock:
+                _active = None
+
+
+def _resize_storage_bytes_op():
+    try:
+        return torch.ops.inductor.resize_storage_bytes_.default
+    except (AttributeError, RuntimeError):
+        return None
