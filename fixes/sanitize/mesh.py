@@ -107,11 +107,11 @@ class MeshSanitizer:
     def wrap_redistribute(self, original: Callable) -> Callable:
         def spmd_redistribute_per_axis(x, mesh, src_types, dst_types, *args, **kwargs):
             if not self._on():
-                pass
-            elif mesh is not None:
+                return original(x, mesh, src_types, dst_types, *args, **kwargs)
+            if mesh is not None:
                 self.mesh_seen = True
             elif self.mesh_seen and _in_backward():
-                changes = [f"{_axis(a)}: {src_types.get(a)} -> {dst}"
+                changes = [f"{_axis(a)}: {src_types.get(a)!r} -> {dst!r}"
                            for a, dst in dst_types.items() if src_types.get(a) != dst]
                 if changes:
                     site = call_site()
@@ -134,8 +134,8 @@ class MeshSanitizer:
         def lookup(*args, **kwargs):
             result = original(*args, **kwargs)
             if not self._on():
-                pass
-            elif result is not None:
+                return result
+            if result is not None:
                 self.mesh_seen = True
             elif self.mesh_seen and _in_backward() and _in_recompute():
                 site = call_site()
