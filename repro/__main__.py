@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every outcome, messages whole, as JSON")
     parser.add_argument("--strict", action="store_true",
                         help="exit 3 when any repro with a variant for this device was skipped")
+    parser.add_argument("--sanitize", action="store_true",
+                        help="run every path (and the ranks it starts) under fixes.sanitize's "
+                        "storage and mesh sanitizers; unfixed paths must then fail with the "
+                        "named error the repro declares (e.g. ReleasedStorageError)")
     args = parser.parse_args(argv)
 
     if args.device not in DEVICES:
@@ -131,10 +135,13 @@ def main(argv: list[str] | None = None) -> int:
 
     outcomes = []
     for name in names:
-        o = run_repro(repros[name], args.device)
+        o = run_repro(repros[name], args.device, sanitized=args.sanitize)
         outcomes.append(o)
-        print(f"[{o.status}] {name} ({args.device})", file=sys.stderr, flush=True)
+        print(f"[{o.status}] {name} ({args.device}{', sanitized' if args.sanitize else ''})",
+              file=sys.stderr, flush=True)
     width = min(TABLE_WIDTH, shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
+    if args.sanitize:
+        print("under fixes.sanitize (storage_sanitizer + mesh_sanitizer)\n")
     print(table(outcomes, max(width, 80)))
     print("\n" + summary(outcomes))
     if args.json:

@@ -7,7 +7,6 @@ Runs one repro in this interpreter. An exception is printed and reported on a ma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 
@@ -18,7 +17,9 @@ from repro.registry import (
     SKIP_MARKER,
     Skipped,
     discover,
+    exception_report,
 )
+from repro.harness.sanitize import sanitizers_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repro = discover()[args.name]
     try:
-        repro.run(args.fixed, args.device)
+        with sanitizers_from_env():  # STACKFIX_SANITIZE=1 (python -m repro --sanitize)
+            repro.run(args.fixed, args.device)
     except Skipped as skip:
         print(SKIP_MARKER + " ".join(str(skip).split()), file=sys.stderr, flush=True)
         return SKIP_EXIT_CODE
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         traceback.print_exc()
-        report = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
-        print(EXCEPTION_MARKER + json.dumps(report), file=sys.stderr, flush=True)
+        print(EXCEPTION_MARKER + exception_report(exc), file=sys.stderr, flush=True)
         return 1
     print(f"REPRO-OK {args.name} {'fixed' if args.fixed else 'unfixed'} {args.device}", flush=True)
     return 0

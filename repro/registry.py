@@ -27,6 +27,15 @@ class Skipped(Exception):
     The message is the reason; the runner reports the path as skipped, never as good."""
 
 
+class ReportedFailure(Exception):
+    """An exception another process (a rank of a multi-process repro) reported; the child
+    passes that report on as its own, so signatures match the original exception."""
+
+    def __init__(self, report: dict, where: str):
+        self.report = report
+        super().__init__(f"{where}: {report['types'][0]}: {report['message']}")
+
+
 class WrongResult(AssertionError):
     """Raised by a repro's oracle when the run completed but its result is wrong
     (e.g. gradients that differ from the reference): the silent variant of a crash."""
@@ -86,6 +95,14 @@ class Signature:
         return True
 
 
+def exception_report(exc: BaseException) -> str:
+    """The JSON a child or rank prints after EXCEPTION_MARKER: the class names of the
+    exception's MRO and its message (a ReportedFailure passes on the report it carries)."""
+    if isinstance(exc, ReportedFailure):
+        return json.dumps(exc.report)
+    return json.dumps({"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)})
+
+
 def reported_skip(stderr: str) -> str | None:
     """The reason the child gave for skipping (last marker line), or None."""
     for line in reversed(stderr.splitlines()):
@@ -115,6 +132,9 @@ class Repro:
     requires: tuple[str, ...] = ()  # importable modules the scenario needs
     timeout: float = 300.0
     upstream: str = ""  # the upstream issue / PR it comes from
+    # How the unfixed path fails under ``python -m repro --sanitize`` (fixes.sanitize names the
+    # fault first, e.g. ReleasedStorageError instead of SIGSEGV). Empty: as without it.
+    sanitized_signatures: tuple[Signature, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -127,8 +147,11 @@ class Repro:
     def missing_requirements(self) -> list[str]:
         return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]
 
-    def matching_signature(self, result, device: str) -> Signature | None:
-        for sig in self.signatures:
+    def expected_signatures(self, sanitized: bool = False) -> tuple[Signature, ...]:
+        return (self.sanitized_signatures or self.signatures) if sanitized else self.signatures
+
+    def matching_signature(self, result, device: str, sanitized: bool = False) -> Signature | None:
+        for sig in self.expected_signatures(sanitized):
             if sig.matches(result, device):
                 return sig
         return None

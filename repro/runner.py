@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from repro.harness.isolated import IsolatedResult, run_isolated
+from repro.harness.sanitize import ENV as SANITIZE_ENV
 from repro.registry import SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
 
 # Path statuses. Only these two are good; "skipped" never is.
@@ -27,6 +28,7 @@ class ReproOutcome:
     device: str
     unfixed: PathOutcome
     fixed: PathOutcome
+    sanitized: bool = False  # both paths ran under fixes.sanitize (python -m repro --sanitize)
 
     @property
     def status(self) -> str:
@@ -41,14 +43,17 @@ class ReproOutcome:
 
     def as_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "status": self.status,
+                "sanitized": self.sanitized,
                 "unfixed": asdict(self.unfixed), "fixed": asdict(self.fixed)}
 
 
-def run_path(repro: Repro, fixed: bool, device: str) -> IsolatedResult:
-    """The raw child result of one path (tests assert on it directly)."""
+def run_path(repro: Repro, fixed: bool, device: str, sanitized: bool = False) -> IsolatedResult:
+    """The raw child result of one path (tests assert on it directly); ``sanitized`` runs it
+    (and the ranks it starts) under fixes.sanitize's sanitizers."""
     mode = "--fixed" if fixed else "--unfixed"
     return run_isolated(
-        module="repro.child", args=[repro.name, mode, "--device", device], timeout=repro.timeout
+        module="repro.child", args=[repro.name, mode, "--device", device], timeout=repro.timeout,
+        env={SANITIZE_ENV: "1" if sanitized else "0"},
     )
 
 
@@ -70,15 +75,19 @@ def _skipped(result: IsolatedResult) -> PathOutcome | None:
     return None
 
 
-def judge_unfixed(repro: Repro, result: IsolatedResult, device: str) -> PathOutcome:
+def judge_unfixed(
+    repro: Repro, result: IsolatedResult, device: str, sanitized: bool = False
+) -> PathOutcome:
     if (skip := _skipped(result)) is not None:
         return skip
-    sig = repro.matching_signature(result, device)
+    sig = repro.matching_signature(result, device, sanitized)
     if sig is not None:
         return PathOutcome("reproduced", failure_text(result), result.seconds)
     if result.ok:
         return PathOutcome("not-reproduced", "unfixed path completed", result.seconds)
-    expected = " | ".join(s.describe() for s in repro.signatures if device in s.devices)
+    expected = " | ".join(
+        s.describe() for s in repro.expected_signatures(sanitized) if device in s.devices
+    )
     return PathOutcome(
         "wrong-failure", f"{failure_text(result)} (expected {expected})", result.seconds
     )
@@ -101,12 +110,13 @@ def skip_reason(repro: Repro, device: str) -> str | None:
     return None
 
 
-def run_repro(repro: Repro, device: str) -> ReproOutcome:
-    """Both paths of ``repro`` on ``device``; skipped (with the reason) when it cannot run."""
+def run_repro(repro: Repro, device: str, sanitized: bool = False) -> ReproOutcome:
+    """Both paths of ``repro`` on ``device``; skipped (with the reason) when it cannot run.
+    ``sanitized``: under fixes.sanitize, judged by the repro's sanitized signatures."""
     reason = skip_reason(repro, device)
     if reason is not None:
         skip = PathOutcome("skipped", reason, 0.0)
-        return ReproOutcome(repro.name, device, skip, skip)
-    unfixed = judge_unfixed(repro, run_path(repro, False, device), device)
-    fixed = judge_fixed(run_path(repro, True, device))
-    return ReproOutcome(repro.name, device, unfixed, fixed)
+        return ReproOutcome(repro.name, device, skip, skip, sanitized)
+    unfixed = judge_unfixed(repro, run_path(repro, False, device, sanitized), device, sanitized)
+    fixed = judge_fixed(run_path(repro, True, device, sanitized))
+    return ReproOutcome(repro.name, device, unfixed, fixed, sanitized)

@@ -426,6 +426,8 @@ _CPU_CRASH = (
     Signature(signal=signal.SIGSEGV, devices=("cpu",)),
     Signature(exception="RuntimeError", message="storage of size 0"),
 )
+# Under fixes.sanitize: named before the kernel runs, on CPU and CUDA alike.
+_SANITIZED = (Signature(exception="ReleasedStorageError", message="would access freed memory"),)
 _CUDA_CRASH = (
     Signature(stderr="an illegal memory access", devices=("cuda",)),
 )
@@ -437,6 +439,7 @@ REPROS = [
         "(torch reentrant checkpoint)",
         run=run_torch,
         signatures=_CPU_CRASH + _CUDA_CRASH,
+        sanitized_signatures=_SANITIZED,
         devices=("cpu", "cuda"),
         timeout=120.0,
         upstream="verl #7328; verl #5251; Megatron-LM #3221",
@@ -447,6 +450,7 @@ REPROS = [
         "freed under the contraction's backward",
         run=functools.partial(run_verl, "0.8.0", "closure"),
         signatures=_CPU_CRASH + _CUDA_CRASH,
+        sanitized_signatures=_SANITIZED,
         devices=("cpu", "cuda"),
         requires=("megatron",),
         timeout=180.0,
