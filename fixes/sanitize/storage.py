@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from fixes.sanitize._callsite import call_site, describe_site
 
@@ -126,6 +126,7 @@ class StorageSanitizer:
 
     def check(self, func, args, kwargs) -> None:
         """Raise if one of the op's tensor arguments lies (partly) in released memory."""
+        __tracebackhide__ = True  # pytest: the error names everything; show the caller's frames
         for index, t in enumerate(pytree.tree_leaves((args, kwargs))):
             if not _checkable(t):
                 continue
@@ -135,7 +136,11 @@ class StorageSanitizer:
                 continue
             needed, nbytes = _needed_bytes(t), storage.nbytes()
             if nbytes < needed:
-                raise ReleasedStorageError(str(func), index, t, needed, nbytes, entry[1])
+                error = ReleasedStorageError(str(func), index, t, needed, nbytes, entry[1])
+                # A traceback printer that shows frame arguments or locals (pytest does) must not
+                # reach the released tensor through these frames.
+                del t, storage, args, kwargs
+                raise error
 
 
 class _CheckReleasedStorage(TorchDispatchMode):
@@ -145,10 +150,13 @@ class _CheckReleasedStorage(TorchDispatchMode):
         self.resize_storage_bytes = resize_storage_bytes  # torch.compile / FSDP2's resize op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in types:  # a tensor subclass (DTensor, FakeTensor...): let it unwrap first,
-            if t not in _PLAIN:  # this mode then sees the ops on its inner tensors
-                return NotImplemented
+        __tracebackhide__ = True
         kwargs = kwargs or {}
+        for t in types:
+            if t not in _PLAIN:
+                if is_traceable_wrapper_subclass_type(t):  # DTensor & co: let it unwrap first;
+                    return NotImplemented  # this mode then sees the ops on its inner tensors
+                return func(*args, **kwargs)  # FakeTensor, FunctionalTensor: no real storage
         if func is self.resize_storage_bytes:
             storage = args[0].untyped_storage()
             before = storage.nbytes()
@@ -156,7 +164,11 @@ class _CheckReleasedStorage(TorchDispatchMode):
             _note_resize(self.sanitizer, storage, before)
             return out
         if self.sanitizer._live and self.sanitizer.reads_data(func):
-            self.sanitizer.check(func, args, kwargs)
+            try:
+                self.sanitizer.check(func, args, kwargs)
+            except ReleasedStorageError:
+                args = kwargs = None  # (see check)
+                raise
         return func(*args, **kwargs)
 
 
