@@ -35,6 +35,9 @@ CASES = {
         " release(w); y.sum().backward()"
     ),
     "partial-shrink": "release(h, keep=64); h.sum()",
+    # Reads that bypass the dispatcher (a repr turns every mode off; tolist reads in C++).
+    "repr": "a, b = torch.chunk(h, 2, -1); release(a); repr(b)",
+    "tolist": "a, b = torch.chunk(h, 2, -1); release(a); b.tolist()",
     "ok-partial-shrink-prefix": "release(h, keep=64); h.view(-1)[:16].sum()",
     # Ops that read no element (views are left to torch's own bounds check).
     "ok-metadata-only": (
@@ -98,7 +101,7 @@ def test_released_storage_is_named_before_the_kernel_runs(device):
             assert case["error"] is None, (name, case)
             continue
         assert case["error"] == "ReleasedStorageError", (name, case)
-        assert case["op"].startswith("aten."), (name, case)
+        assert case["op"].startswith(("aten.", "Tensor.")), (name, case)
         assert case["site"][0].startswith("<string>:") and case["site"][0].endswith("in release")
         assert "would access freed memory" in case["message"]
         assert device in case["message"] and "released by UntypedStorage.resize_" in case["message"]
@@ -106,6 +109,7 @@ def test_released_storage_is_named_before_the_kernel_runs(device):
     assert seen["chunk-sibling-read"]["shape"] == [4, 4]
     assert seen["partial-shrink"]["message"].count("needs 128 bytes of a storage that now holds 64")
     assert seen["copy-into"]["op"] == "aten.copy_.default"
+    assert (seen["repr"]["op"], seen["tolist"]["op"]) == ("Tensor.__repr__", "Tensor.tolist")
     assert seen["ok-regrown"]["live"] == 0  # grown again: no longer tracked
 
 
@@ -172,12 +176,14 @@ def test_fast_path_returns_once_released_storages_are_gone():
 @pytest.mark.cpu
 def test_restores_resize_and_the_mode_stack_also_on_error():
     before_stack = torch._C._len_torch_dispatch_stack()
+    tensor_methods = {n: torch.Tensor.__dict__.get(n) for n in ("__repr__", "tolist", "numpy")}
     assert "resize_" not in torch.UntypedStorage.__dict__
     with pytest.raises(ValueError, match="boom"), storage_sanitizer():
         assert "resize_" in torch.UntypedStorage.__dict__
         assert torch._C._len_torch_dispatch_stack() == before_stack + 1
         raise ValueError("boom")
     assert "resize_" not in torch.UntypedStorage.__dict__
+    assert {n: torch.Tensor.__dict__.get(n) for n in tensor_methods} == tensor_methods
     assert torch._C._len_torch_dispatch_stack() == before_stack
     with storage_sanitizer():  # and it can be entered again
         pass

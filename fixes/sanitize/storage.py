@@ -9,11 +9,13 @@ How, while active: ``torch.UntypedStorage.resize_`` is wrapped to record every s
 Python call site, and a ``TorchDispatchMode`` checks the tensor arguments of every op against the
 shrunk storages that are still alive. The autograd engine runs backward ops under the modes of
 the thread that called ``backward()``, also on its device threads. Until a shrink is recorded (and
-again once every shrunk storage is gone) the mode only forwards each op: the fast path.
+again once every shrunk storage is gone) the mode only forwards each op: the fast path. The
+reads that bypass the dispatcher (``repr``, ``tolist``, ``numpy``) are guarded the same way.
 
 Not seen: ops on threads other than the one that entered (and autograd's workers for its
-backward passes), shrinks made from C++, and reads of a storage that was shrunk and grown again
-(memory-safe, but the bytes are uninitialised).
+backward passes), shrinks made from C++, C++ extensions that read ``data_ptr()`` directly, and
+reads of a storage that was shrunk and grown again (memory-safe, but the bytes are
+uninitialised).
 """
 
 from __future__ import annotations
@@ -128,19 +130,21 @@ class StorageSanitizer:
         """Raise if one of the op's tensor arguments lies (partly) in released memory."""
         __tracebackhide__ = True  # pytest: the error names everything; show the caller's frames
         for index, t in enumerate(pytree.tree_leaves((args, kwargs))):
-            if not _checkable(t):
-                continue
-            storage = t.untyped_storage()
-            entry = self._live.get(storage._cdata)
-            if entry is None:
-                continue
-            needed, nbytes = _needed_bytes(t), storage.nbytes()
-            if nbytes < needed:
-                error = ReleasedStorageError(str(func), index, t, needed, nbytes, entry[1])
+            if _checkable(t) and (error := self._released(str(func), index, t)) is not None:
                 # A traceback printer that shows frame arguments or locals (pytest does) must not
                 # reach the released tensor through these frames.
-                del t, storage, args, kwargs
+                del t, args, kwargs
                 raise error
+
+    def _released(self, op: str, index: int, t: torch.Tensor) -> ReleasedStorageError | None:
+        storage = t.untyped_storage()
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            return None
+        needed, nbytes = _needed_bytes(t), storage.nbytes()
+        if nbytes >= needed:
+            return None
+        return ReleasedStorageError(op, index, t, needed, nbytes, entry[1])
 
 
 class _CheckReleasedStorage(TorchDispatchMode):
@@ -180,6 +184,23 @@ def _note_resize(sanitizer: StorageSanitizer, storage, before: int) -> None:
         sanitizer.regrown(storage)
 
 
+# Tensor methods that read elements without going through the dispatcher (a repr turns all
+# modes off; tolist and numpy read the memory in C++): guarded while the sanitizer is active.
+_DIRECT_READS = ("__repr__", "tolist", "numpy")
+
+
+def _guarded(sanitizer: StorageSanitizer, name: str, original):
+    def guarded(self, *args, **kwargs):
+        if sanitizer._live and _checkable(self):
+            if (error := sanitizer._released(f"Tensor.{name}", 0, self)) is not None:
+                del self, args, kwargs  # (see StorageSanitizer.check)
+                raise error
+        return original(self, *args, **kwargs)
+
+    guarded.__name__ = guarded.__qualname__ = name
+    return guarded
+
+
 _MISSING = object()
 _active: tuple[StorageSanitizer, tuple[str, ...]] | None = None
 _active_lock = threading.Lock()
@@ -200,9 +221,7 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
             )
         sanitizer = StorageSanitizer()
         _active = (sanitizer, here)
-    cls = torch.UntypedStorage
-    own = cls.__dict__.get("resize_", _MISSING)
-    original = cls.resize_
+    original = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
         before = storage.nbytes()
@@ -210,22 +229,37 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
         _note_resize(sanitizer, storage, before)
         return result
 
+    patches = [(torch.UntypedStorage, "resize_", resize_)] + [
+        (torch.Tensor, name, _guarded(sanitizer, name, getattr(torch.Tensor, name)))
+        for name in _DIRECT_READS
+    ]
+    saved = []
     try:
-        cls.resize_ = resize_
+        for cls, name, patch in patches:
+            saved.append((cls, name, patch, cls.__dict__.get(name, _MISSING)))
+            setattr(cls, name, patch)
         with _CheckReleasedStorage(sanitizer, _resize_storage_bytes_op()):
             yield sanitizer
     finally:
         try:
-            if cls.__dict__.get("resize_") is not resize_:
-                raise RuntimeError("torch.UntypedStorage.resize_ was replaced while "
-                                   "storage_sanitizer() was active; not restoring it")
-            if own is _MISSING:
-                del cls.resize_
-            else:
-                cls.resize_ = own
+            _restore(saved)
         finally:
             with _active_lock:
                 _active = None
+
+
+def _restore(saved) -> None:
+    replaced = []
+    for cls, name, patch, own in reversed(saved):
+        if cls.__dict__.get(name) is not patch:
+            replaced.append(f"{cls.__name__}.{name}")
+        elif own is _MISSING:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, own)
+    if replaced:
+        raise RuntimeError(f"{', '.join(replaced)} replaced while storage_sanitizer() was "
+                           "active; left as found")
 
 
 def _resize_storage_bytes_op():
