@@ -181,3 +181,44 @@ def test_loopback_ranks_get_torchrun_env_and_time_out_together():
     assert lines[0][1:3] == ["2", "127.0.0.1"] and lines[0][4:] == ["lo", "x"]
     slow = run_loopback_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=2)
     assert all(r.timed_out for r in slow)
+
+
+def test_sanitized_runs_are_judged_by_the_sanitized_signatures():
+    repro = Repro(name="x", summary="x", run=lambda fixed, device: None,
+                  signatures=(Signature(signal=signal.SIGSEGV),),
+                  sanitized_signatures=(Signature(exception="ReleasedStorageError"),))
+    named = _result(1, _exc_stderr(["ReleasedStorageError", "RuntimeError"], "freed"))
+    assert judge_unfixed(repro, named, "cpu", sanitized=True).status == "reproduced"
+    assert judge_unfixed(repro, named, "cpu").status == "wrong-failure"
+    segv = judge_unfixed(repro, _result(-11), "cpu", sanitized=True)
+    assert segv.status == "wrong-failure" and "expected ReleasedStorageError" in segv.detail
+    # A repro that declares none is judged as without the sanitizers.
+    plain = _fake_repro(Signature(signal=signal.SIGSEGV))
+    assert judge_unfixed(plain, _result(-11), "cpu", sanitized=True).status == "reproduced"
+
+
+def test_a_failed_rank_passes_its_own_exception_to_the_child():
+    from repro.harness.ranks import raise_for_ranks
+    from repro.registry import ReportedFailure, exception_report, reported_exception
+
+    ok = _result(0)
+    failed = _result(1, _exc_stderr(["MeshLostError", "RuntimeError"], "no mesh"))
+    with pytest.raises(ReportedFailure, match="rank 1: MeshLostError: no mesh") as info:
+        raise_for_ranks([ok, failed])
+    # What the child prints for it is the rank's report, so signatures match the rank's type.
+    assert reported_exception(EXCEPTION_MARKER + exception_report(info.value))["types"][0] == \
+        "MeshLostError"
+    with pytest.raises(RuntimeError, match="a rank failed: .*killed by SIGSEGV"):
+        raise_for_ranks([ok, _result(-11)])
+    raise_for_ranks([ok, ok])
+
+
+def test_cli_sanitize_runs_children_under_the_sanitizers(tmp_path):
+    out = tmp_path / "o.json"
+    res = run_isolated(module="repro", timeout=300,
+                       args=["--sanitize", "--only", "shared-view-reclaim", "--json", str(out)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "under fixes.sanitize" in res.stdout and "(cpu, sanitized)" in res.stderr
+    [row] = json.loads(out.read_text())
+    assert row["sanitized"] is True and row["status"] == "good"
+    assert row["unfixed"]["detail"].startswith("ReleasedStorageError: aten.mul.Tensor would access")

@@ -26,6 +26,8 @@ PUBLIC = {
                        "remove_recompute_reclaim_patch", "apply_mtp_postprocess_patch",
                        "remove_mtp_postprocess_patch"),
     "fixes.vllm": ("mtp_completeness_check_disabled", "moe_layer_classes", "load_refit_weights"),
+    "fixes.sanitize": ("storage_sanitizer", "mesh_sanitizer", "ReleasedStorageError",
+                       "MeshLostError"),
 }
 
 

@@ -1,6 +1,9 @@
 """The regression contract, written once and instantiated for every repro and device:
 the unfixed path fails with its declared signature, the fixed path completes (and its own
-oracle checks the result, e.g. gradients equal to the reference)."""
+oracle checks the result, e.g. gradients equal to the reference). Repros that declare
+``sanitized_signatures`` also run under fixes.sanitize (``python -m repro --sanitize``): the
+unfixed path must fail with that named error, the fixed path must still pass (no false
+positive)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ CASES = [
     for r in REPROS.values()
     for device in r.devices
 ]
+SANITIZED = [case for case in CASES if case.values[0].sanitized_signatures]
 
 
 def _skip_if_missing(repro):
@@ -42,6 +46,24 @@ def test_unfixed_path_reproduces_the_crash(repro, device):
 def test_fixed_path_passes(repro, device):
     _skip_if_missing(repro)
     result = run_path(repro, fixed=True, device=device)
+    outcome = judge_fixed(result)
+    _skip_if_child_skipped(outcome)
+    assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("repro,device", SANITIZED)
+def test_unfixed_path_under_the_sanitizers_names_the_fault(repro, device):
+    _skip_if_missing(repro)
+    result = run_path(repro, fixed=False, device=device, sanitized=True)
+    outcome = judge_unfixed(repro, result, device, sanitized=True)
+    _skip_if_child_skipped(outcome)
+    assert outcome.status == "reproduced", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("repro,device", SANITIZED)
+def test_fixed_path_passes_under_the_sanitizers(repro, device):
+    _skip_if_missing(repro)
+    result = run_path(repro, fixed=True, device=device, sanitized=True)
     outcome = judge_fixed(result)
     _skip_if_child_skipped(outcome)
     assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
