@@ -35,6 +35,8 @@ METRIC_TITLES = {
     "step_time_ratio": "step time, single-threaded / multithreaded backward",
     "step_time_single_threaded_s": "step time, single-threaded backward (median)",
     "step_time_multithreaded_s": "step time, multithreaded backward (median)",
+    "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (medians)",
+    "step_time_s": "step time (median of interleaved rounds)",
 }
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1120px;
