@@ -45,6 +45,7 @@ CASES = {
         " torch.zeros_like(b); b.shape; b.stride()"
     ),
     "ok-regrown": "release(h); h.untyped_storage().resize_(128); h.zero_().sum()",
+    "regrown-too-little": "release(h); h.untyped_storage().resize_(64); h.sum()",
 }
 # DTensor (a wrapper subclass) is unwrapped first, so its local tensor is checked (CPU mesh).
 CPU_CASES = {
@@ -212,3 +213,17 @@ def test_is_a_runtime_error_and_no_false_positive_on_fake_or_meta_tensors():
         x = torch.randn(4, requires_grad=True)
         (x * 2).sum().backward()
         assert torch.equal(x.grad, torch.full((4,), 2.0))
+
+
+@pytest.mark.cpu
+def test_torch_compile_still_compiles_under_it():
+    """A user dispatch mode makes dynamo skip frames (fullgraph=True then fails); this one
+    declares ignore_compile_internals, so compiled regions compile and run unchecked."""
+    def f(x):
+        return torch.tanh(x @ x.t()).sum()
+
+    x = torch.randn(4, 4)
+    with storage_sanitizer():
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    assert torch.allclose(got, f(x))
+    torch._dynamo.reset()

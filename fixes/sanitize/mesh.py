@@ -267,12 +267,13 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
             )
         sanitizer = MeshSanitizer()
         _active = (sanitizer, here)
-    seams = [_Seam(spmd_types.__name__, name, sanitizer.wrap_lookup, skip_prefix="spmd_types.")
-             for name in _LOOKUPS]
+    lookups = [_Seam(spmd_types.__name__, name, sanitizer.wrap_lookup, skip_prefix="spmd_types.")
+               for name in _LOOKUPS]
     titan = _Seam(_TITAN_MODULE, _TITAN_REDISTRIBUTE, sanitizer.wrap_redistribute)
+    seams = [*lookups, titan]  # each undone on exit if it was installed
     hook = None
     try:
-        for seam in seams:
+        for seam in lookups:
             seam.install(spmd_types)
             sanitizer.wrapped.append(seam.label)
         if _TITAN_MODULE in sys.modules:
@@ -284,7 +285,6 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
             sanitizer.wrapped.append(titan.label + " (on import)")
         else:
             sanitizer.not_wrapped[titan.label] = "torchtitan is not installed"
-        seams.append(titan)
         yield sanitizer
     finally:
         try:

@@ -13,9 +13,9 @@ again once every shrunk storage is gone) the mode only forwards each op: the fas
 reads that bypass the dispatcher (``repr``, ``tolist``, ``numpy``) are guarded the same way.
 
 Not seen: ops on threads other than the one that entered (and autograd's workers for its
-backward passes), shrinks made from C++, C++ extensions that read ``data_ptr()`` directly, and
-reads of a storage that was shrunk and grown again (memory-safe, but the bytes are
-uninitialised).
+backward passes), ops inside torch.compile'd regions, shrinks made from C++, C++ extensions that
+read ``data_ptr()`` directly, and reads of a storage that was shrunk and grown back (memory-safe,
+but the bytes are uninitialised).
 """
 
 from __future__ import annotations
@@ -117,8 +117,11 @@ class StorageSanitizer:
             self._live[key] = (weakref.ref(storage, gone), release)
 
     def regrown(self, storage: torch.UntypedStorage) -> None:
+        """Grown back to its size before the release: memory-safe again, no longer tracked."""
         with self._lock:
-            self._live.pop(storage._cdata, None)
+            entry = self._live.get(storage._cdata)
+            if entry is not None and storage.nbytes() >= entry[1].nbytes_before:
+                del self._live[storage._cdata]
 
     def reads_data(self, func) -> bool:
         known = self._data_ops.get(func)
@@ -152,6 +155,12 @@ class _CheckReleasedStorage(TorchDispatchMode):
         super().__init__()
         self.sanitizer = sanitizer
         self.resize_storage_bytes = resize_storage_bytes  # torch.compile / FSDP2's resize op
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Otherwise torch.compile refuses to compile under a user mode (and fullgraph=True
+        # fails); compiled regions run unchecked, their eager callers stay checked.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         __tracebackhide__ = True
