@@ -462,6 +462,7 @@ REPROS = [
         "method, no closure): the same crash",
         run=functools.partial(run_verl, "0.9.1", "bound-method"),
         signatures=_CPU_CRASH + _CUDA_CRASH,
+        sanitized_signatures=_SANITIZED,
         devices=("cpu", "cuda"),
         requires=("megatron",),
         timeout=180.0,
