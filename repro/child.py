@@ -10,6 +10,7 @@ import argparse
 import sys
 import traceback
 
+from repro.harness.sanitize import sanitizers_from_env
 from repro.registry import (
     DEVICES,
     EXCEPTION_MARKER,
@@ -19,7 +20,6 @@ from repro.registry import (
     discover,
     exception_report,
 )
-from repro.harness.sanitize import sanitizers_from_env
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,7 +139,7 @@ def test_a_wrapper_left_behind_passes_through(mesh):
                           use_reentrant=False).sum()
     loss.backward()  # no sanitizer active: the stale wrapper only forwards the call
     with mesh_sanitizer():  # a new one wraps the original again, not the stale wrapper
-        assert getattr(spmd.current_mesh, "__stackfix_mesh_sanitizer_wraps__") is not stale
+        assert spmd.current_mesh.__stackfix_mesh_sanitizer_wraps__ is not stale
 
 
 @pytest.mark.cpu
