@@ -21,6 +21,8 @@ from repro import run_isolated
 from repro.harness.spmd_mesh import spmd_mesh
 
 ROOT = str(Path(__file__).parent.parent)
+# These tests enter the sanitizers themselves (they refuse to be nested).
+pytestmark = pytest.mark.no_stackfix_sanitize
 LOOKUPS = ("current_mesh", "current_mesh_names", "current_mesh_all_names")
 
 

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = "fixes.sanitize.pytest_plugin"
 
 INNER_TESTS = '''
+import pytest
 import spmd_types as spmd
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -48,6 +49,14 @@ def test_mesh_lost_in_recompute():
 def test_clean():
     x = torch.randn(4, requires_grad=True)
     (x * 2).sum().backward()
+
+
+@pytest.mark.no_stackfix_sanitize
+def test_enters_its_own_sanitizer():
+    from fixes.sanitize import storage_sanitizer
+
+    with storage_sanitizer():  # would refuse to nest inside the plugin's
+        pass
 '''
 
 
@@ -73,13 +82,14 @@ def test_entry_point_is_declared_in_pyproject():
 def test_with_the_flag_failures_are_named(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     result = _run(pytester, "--stackfix-sanitize", "-rA")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=3, failed=2)
     result.stdout.fnmatch_lines([
         "stackfix sanitizers: storage_sanitizer, mesh_sanitizer",
         "E *.ReleasedStorageError: aten.sum.default would access freed memory: *",
         "E *.MeshLostError: spmd_types.current_mesh() found no current spmd mesh *",
         "PASSED test_inner.py::test_sanitizers_are_on",
         "PASSED test_inner.py::test_clean",
+        "PASSED test_inner.py::test_enters_its_own_sanitizer",
         "FAILED test_inner.py::test_released_storage_read - *",
         "FAILED test_inner.py::test_mesh_lost_in_recompute - *",
     ])
@@ -91,7 +101,7 @@ def test_with_the_flag_failures_are_named(pytester, monkeypatch):
 def test_off_by_default(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     # Without the flag the freed read would crash the session: run only the harmless tests.
-    result = _run(pytester, "-k", "sanitizers_are_on or clean")
-    result.assert_outcomes(passed=1, failed=1)  # test_sanitizers_are_on fails: nothing wrapped
+    result = _run(pytester, "-k", "sanitizers_are_on or clean or own")
+    result.assert_outcomes(passed=2, failed=1)  # test_sanitizers_are_on fails: nothing wrapped
     assert "stackfix sanitizers" not in result.stdout.str()
     assert "--stackfix-sanitize" in _run(pytester, "--help").stdout.str()

@@ -19,6 +19,8 @@ from fixes.sanitize import ReleasedStorageError, StorageRelease, storage_sanitiz
 from repro import run_isolated
 
 ROOT = str(Path(__file__).parent.parent)
+# These tests enter the sanitizers themselves (they refuse to be nested).
+pytestmark = pytest.mark.no_stackfix_sanitize
 
 # Each case: (name, code run under the sanitizer with `device` bound; it must raise
 # ReleasedStorageError unless its name starts with "ok-"). `release(t)` frees t's storage.

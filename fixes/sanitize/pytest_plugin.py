@@ -4,7 +4,8 @@ and, where spmd_types imports, ``mesh_sanitizer()``. Off unless the flag is give
 Registered through the ``pytest11`` entry point of the stackfix distribution (so any suite in an
 environment with stackfix installed has the flag); without installing, load it with
 ``-p fixes.sanitize.pytest_plugin``. A test's setup, call, teardown and report run sanitized, in
-the test's own process: child processes a test starts are not.
+the test's own process: child processes a test starts are not. A test marked
+``no_stackfix_sanitize`` (one that enters the sanitizers itself) is left alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import contextlib
 import pytest
 
 OPTION = "--stackfix-sanitize"
+# For tests that enter the sanitizers themselves (they refuse to be nested): left unwrapped.
+MARKER = "no_stackfix_sanitize"
+MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, so "
+               f"{OPTION} does not wrap it")
 _MESH_KEY = pytest.StashKey[str | None]()  # None: mesh sanitizer on; else why it is off
 
 
@@ -27,6 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_HELP)
     if not config.getoption(OPTION):
         return
     try:
@@ -50,7 +56,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # Around the whole protocol, not just the call: the failure report is written in here too,
     # and a repr of a released tensor in it (pytest shows frame arguments) must raise, not
     # read freed memory.
-    if not item.config.getoption(OPTION):
+    if not item.config.getoption(OPTION) or item.get_closest_marker(MARKER):
         return (yield)
     from fixes.sanitize import mesh_sanitizer, storage_sanitizer
 
