@@ -23,7 +23,7 @@ from benchmarks._bench import DEVICE_PARAMS, record, timed
 
 SCENARIO = "sanitizers/plain-transformer-full-ac"
 STRATEGIES = ("none", "storage", "mesh", "storage+mesh", "storage-slow-path")
-ROUNDS = {"cpu": 5, "cuda": 20}
+ROUNDS = {"cpu": 15, "cuda": 20}
 
 
 @contextlib.contextmanager
