@@ -283,7 +283,9 @@ def _fixed(placement: str, device: str) -> None:
 
 _SIGNATURE = (Signature(exception="SpmdTypeError", message="requires an active mesh"),)
 # Under fixes.sanitize the first mesh lookup of the recompute (the probe's) already names it.
-_SANITIZED = (Signature(exception="MeshLostError", message="during activation-checkpoint recompute"),)
+SANITIZED_SIGNATURES = (
+    Signature(exception="MeshLostError", message="during activation-checkpoint recompute"),
+)
 _UPSTREAM = "verl #6950, torchtitan #3565"
 
 REPROS = [
@@ -291,25 +293,25 @@ REPROS = [
         name="mesh-recompute",
         summary="forward inside the spmd mesh, backward outside: checkpoint recompute has no mesh",
         run=_unfixed("main"), signatures=_SIGNATURE, devices=("cpu", "cuda"),
-        sanitized_signatures=_SANITIZED, upstream=_UPSTREAM, timeout=180.0,
+        sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
         name="mesh-recompute-thread",
         summary="backward on another thread than the forward: recompute sees that thread's (no) mesh",
         run=_unfixed("worker"), signatures=_SIGNATURE, devices=("cpu", "cuda"),
-        sanitized_signatures=_SANITIZED, upstream=_UPSTREAM, timeout=180.0,
+        sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
         name="mesh-recompute-device-thread",
         summary="CUDA, multithreading on: recompute runs on the autograd device thread, no mesh",
         run=_unfixed("device-thread"), signatures=_SIGNATURE, devices=("cuda",),
-        sanitized_signatures=_SANITIZED, upstream=_UPSTREAM, timeout=180.0,
+        sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
         name="mesh-recompute-init-thread",
         summary="CUDA, multithreading off at init on main, step on a pool thread: still no mesh",
         run=_unfixed("init-thread"), signatures=_SIGNATURE, devices=("cuda",),
-        sanitized_signatures=_SANITIZED, upstream=_UPSTREAM, timeout=180.0,
+        sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
 ]
 

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import torch
 
-from repro.mesh_recompute import N_BLOCKS, Probe, build_model, grads_of
+from repro.mesh_recompute import N_BLOCKS, SANITIZED_SIGNATURES, Probe, build_model, grads_of
 from repro.registry import Repro, Signature, Skipped, WrongResult
 from repro.verl_release import released_function
 
@@ -206,6 +206,8 @@ REPROS = [
         # spmd_types 0.2.3: "assert_type(...) requires an active mesh, but no current mesh is
         # set"; 0.3.1: "A bare ... requires an active mesh ..." -- the common fragment.
         signatures=(Signature(exception="SpmdTypeError", message="requires an active mesh"),),
+        # Under fixes.sanitize: named at the recompute's first mesh lookup (the probe's).
+        sanitized_signatures=SANITIZED_SIGNATURES,
         requires=("spmd_types", "torchtitan"),
         upstream="verl #6950, torchtitan #3565", timeout=300.0,
     ),
