@@ -1,0 +1,101 @@
+"""``python -m repro.compat``: run the repros in every combination's venv and write the matrix.
+
+Exit status: 0 when the matrix was written and no cell failed or could not install, 1 when one
+did, 2 on bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from repro.compat.combos import COMBINATIONS, by_name
+from repro.compat.matrix import Matrix
+from repro.compat.render import render_markdown
+from repro.compat.run import now, run_combination
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "compat"
+ROOT_ENV = "STACKFIX_COMPAT_ROOT"
+DEFAULT_ROOT = "~/.cache/stackfix/compat-envs"
+
+
+def _commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=8", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def write(matrix: Matrix, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps(matrix.to_json(), indent=1) + "\n")
+    (out / "matrix.md").write_text(render_markdown(matrix))
+
+
+def _load(path: Path) -> Matrix:
+    return Matrix.from_json(json.loads(path.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.compat", description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the combinations and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this combination (repeatable); merged into --out's matrix")
+    parser.add_argument("--root", default=os.environ.get(ROOT_ENV, DEFAULT_ROOT),
+                        help=f"where the venvs live (${ROOT_ENV}, default {DEFAULT_ROOT})")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for matrix.json/.md")
+    parser.add_argument("--reinstall", action="store_true", help="rebuild the venvs")
+    parser.add_argument("--merge", nargs="+", metavar="MATRIX_JSON",
+                        help="run nothing: merge these matrix.json files (later wins) into --out")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for c in COMBINATIONS:
+            print(f"{c.name:42} python {c.python}  {' '.join(c.requirements)}  verl={c.verl}")
+        return 0
+    try:
+        combos = by_name(args.only)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.merge:
+        try:
+            parts = [_load(Path(p)) for p in args.merge]
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        matrix = parts[0]
+        for part in parts[1:]:
+            matrix = matrix.merged(part)
+        matrix = matrix.with_missing(COMBINATIONS, "no result: its run left no matrix.json")
+    else:
+        start = time.monotonic()
+        root = Path(args.root).expanduser()
+        results = [run_combination(c, root, REPO, reinstall=args.reinstall,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+                   for c in combos]
+        matrix = Matrix(now(), _commit(), "cpu", results)
+        if args.only and (out / "matrix.json").is_file():
+            matrix = _load(out / "matrix.json").merged(matrix)
+        print(f"matrix: {len(results)} combination(s) in {time.monotonic() - start:.0f}s",
+              file=sys.stderr)
+    write(matrix, out)
+    print(render_markdown(matrix))
+    bad = matrix.problems()
+    if bad:
+        print(f"failed or could not install: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
