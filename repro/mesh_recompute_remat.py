@@ -23,8 +23,8 @@ import spmd_types as spmd
 import torch
 from torch import nn
 
-from repro._registry import Repro, Signature, WrongResult
 from repro.mesh_recompute import DIM, N_BLOCKS, SEED, TOKENS, Probe, TypedBlock
+from repro.registry import Repro, Signature, WrongResult
 
 AC_MODES = ("full", "save-region", "none")
 PLACEMENTS = ("main", "worker")
@@ -70,7 +70,7 @@ class RematModel(nn.Module):
 
 def _step(ac: str, fixed: bool, placement: str, probe: Probe):
     """Forward inside the mesh, backward outside it (on ``placement``); returns the grads."""
-    from repro._spmd_mesh import spmd_mesh
+    from repro.harness.spmd_mesh import spmd_mesh
 
     torch.manual_seed(SEED)
     model = RematModel(ac, fixed, probe)

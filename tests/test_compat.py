@@ -214,24 +214,25 @@ def test_install_failure_reports_pips_last_line_and_success_is_reused(tmp_path, 
     monkeypatch.setattr(venvs, "create_venv", lambda base, venv: venv.mkdir(exist_ok=True) or
                         venvs.venv_python(venv))
 
-    def fake_pip(python, args, combination):
+    def fake_run(python, args, combination, repo):
         calls.append(args)
-        code = 1 if "verl==0.9.1" in args else 0
+        code = 1 if "repro.verl_release" in args else 0
         return subprocess.CompletedProcess(args, code, "", "ERROR: No matching distribution found "
                                            "for verl==0.9.1\n" if code else "")
 
-    monkeypatch.setattr(venvs, "_pip", fake_pip)
-    failed = venvs.ensure_venv(combo, tmp_path)
+    monkeypatch.setattr(venvs, "_run", fake_run)
+    failed = venvs.ensure_venv(combo, tmp_path, Path.cwd())
     assert not failed.ok and failed.error == "ERROR: No matching distribution found for verl==0.9.1"
-    assert calls[0][-1] == "torch==2.13.0" and "--target" in calls[1]
+    assert calls[0][-1] == "torch==2.13.0"
+    assert calls[1][-3:] == ["--root", str(tmp_path / "probe" / venvs.VERL_DIR), "0.9.1"]
     assert not (tmp_path / "probe" / venvs.MARKER).exists()  # a failed venv is never reused
 
-    monkeypatch.setattr(venvs, "_pip", lambda *a: subprocess.CompletedProcess(a, 0, "", ""))
-    built = venvs.ensure_venv(combo, tmp_path)
+    monkeypatch.setattr(venvs, "_run", lambda *a: subprocess.CompletedProcess(a, 0, "", ""))
+    built = venvs.ensure_venv(combo, tmp_path, Path.cwd())
     assert built.ok and not built.reused
-    assert venvs.ensure_venv(combo, tmp_path).reused
+    assert venvs.ensure_venv(combo, tmp_path, Path.cwd()).reused
     changed = Combination(name="probe", python=combo.python, torch="2.15.0", lift_pip_cap=True)
-    assert not venvs.ensure_venv(changed, tmp_path).reused  # another spec rebuilds
+    assert not venvs.ensure_venv(changed, tmp_path, Path.cwd()).reused  # another spec rebuilds
 
 
 def test_run_combination_turns_runner_json_into_cells(tmp_path, monkeypatch):
@@ -239,7 +240,7 @@ def test_run_combination_turns_runner_json_into_cells(tmp_path, monkeypatch):
                         absent=(("torchtitan", TITAN_PIN),))
     (tmp_path / "probe").mkdir()
     monkeypatch.setattr(compat_run, "ensure_venv",
-                        lambda c, root, reinstall: venvs.Install(True, sys.executable, 1.0))
+                        lambda c, root, repo, reinstall: venvs.Install(True, sys.executable, 1.0))
     monkeypatch.setattr(compat_run, "installed_versions", lambda venv: {"torch": "2.13.0"})
     seen = {}
 

@@ -18,7 +18,7 @@ from fixes.torchtitan import (
     mesh_preserving_context_fn,
     mesh_preserving_remat_checkpoint,
 )
-from repro._spmd_mesh import spmd_mesh
+from repro.harness.spmd_mesh import spmd_mesh
 
 remat = pytest.importorskip("torch_remat", reason="torch-remat not installed (extra: remat)")
 pytestmark = pytest.mark.cpu

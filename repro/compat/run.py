@@ -25,7 +25,7 @@ def run_combination(combo: Combination, root: Path, repo: Path, *, device: str =
     result = CombinationResult(combo.name, combo.python, list(combo.requirements), combo.verl,
                                date=now())
     log(f"[{combo.name}] venv under {root} ...")
-    install = ensure_venv(combo, root, reinstall=reinstall)
+    install = ensure_venv(combo, root, repo, reinstall=reinstall)
     result.install_seconds, result.reused_venv = round(install.seconds, 1), install.reused
     if not install.ok:
         log(f"[{combo.name}] could not install: {install.error}")

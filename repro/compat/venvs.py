@@ -86,15 +86,18 @@ def create_venv(base: str, venv: Path) -> Path:
     return venv_python(venv)
 
 
-def _pip(python: Path, args: list[str], combo: Combination) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+def _run(python: Path, args: list[str], combo: Combination, repo: Path):
+    """``python <args>`` in the checkout; pip reads no configuration file if the combination
+    lifts the cap (PIP_CONFIG_FILE=os.devnull is pip's documented off switch)."""
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
     if combo.lift_pip_cap:
-        env["PIP_CONFIG_FILE"] = os.devnull  # pip then reads no configuration file at all
-    return subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True,
-                          env=env, timeout=3600)
+        env["PIP_CONFIG_FILE"] = os.devnull
+    return subprocess.run([str(python), *args], capture_output=True, text=True, env=env,
+                          cwd=repo, timeout=3600)
 
 
-def ensure_venv(combo: Combination, root: Path, *, reinstall: bool = False) -> Install:
+def ensure_venv(combo: Combination, root: Path, repo: Path, *, reinstall: bool = False) -> Install:
     """Build ``root/<combo.name>`` unless an identical one exists; never raises for pip."""
     start = time.monotonic()
     venv = root / combo.name
@@ -107,11 +110,12 @@ def ensure_venv(combo: Combination, root: Path, *, reinstall: bool = False) -> I
     except LookupError as exc:
         return Install(False, None, time.monotonic() - start, error=str(exc))
     python = create_venv(base, venv)
-    steps = [["install", "--progress-bar", "off", *combo.requirements]]
-    steps += [["install", "--progress-bar", "off", "--no-deps", "--target",
-               str(venv / VERL_DIR / v), f"verl=={v}"] for v in combo.verl_versions]
+    steps = [["-m", "pip", "install", "--progress-bar", "off", *combo.requirements]]
+    if combo.verl_versions:  # verl's own installer: pip install --no-deps --target ROOT/VERSION
+        steps.append(["-m", "repro.verl_release", "install", "--root", str(venv / VERL_DIR),
+                      *combo.verl_versions])
     for args in steps:
-        done = _pip(python, args, combo)
+        done = _run(python, args, combo, repo)
         if done.returncode != 0:
             return Install(False, str(python), time.monotonic() - start,
                            error=last_error_line(done.stderr or done.stdout))
