@@ -5,7 +5,7 @@ R)``, resolved against the current mesh) is checkpointed with ``torch_remat.chec
 of ``torch.utils.checkpoint``: once with full recompute, once with the first matmul in a
 ``remat.region(..., recompute=False)`` (a SAVE region, whose replay is skipped). The forward runs
 inside ``spmd_types.set_current_mesh``; backward runs after leaving it, on the main thread and
-on a pool thread. torch_remat replays the block inside ``backward()`` as torch does, so the
+on a pool thread (and, on CUDA, inside the mesh on autograd's device thread). torch_remat replays the block inside ``backward()`` as torch does, so the
 thread-local mesh is gone: ``SpmdTypeError: ... requires an active mesh``.
 
 ``mesh_preserving_context_fn`` does not apply: ``torch_remat.checkpoint`` takes no ``context_fn``
@@ -27,7 +27,9 @@ from repro.mesh_recompute import DIM, N_BLOCKS, SEED, TOKENS, Probe, TypedBlock
 from repro.registry import Repro, Signature, WrongResult
 
 AC_MODES = ("full", "save-region", "none")
-PLACEMENTS = ("main", "worker")
+# device-thread (CUDA only): forward *and* backward inside the mesh, autograd multithreading on,
+# so the replay runs on autograd's CUDA device thread (on CPU it runs on the caller: no crash).
+PLACEMENTS = {"cpu": ("main", "worker"), "cuda": ("main", "worker", "device-thread")}
 
 
 class RematBlock(TypedBlock):
@@ -68,38 +70,44 @@ class RematModel(nn.Module):
         return x.pow(2).sum()
 
 
-def _step(ac: str, fixed: bool, placement: str, probe: Probe):
-    """Forward inside the mesh, backward outside it (on ``placement``); returns the grads."""
+def _step(ac: str, fixed: bool, placement: str, probe: Probe, device: str):
+    """Forward inside the mesh, backward outside it on ``placement`` (device-thread: inside it,
+    multithreading on); returns the grads."""
     from repro.harness.spmd_mesh import spmd_mesh
 
     torch.manual_seed(SEED)
-    model = RematModel(ac, fixed, probe)
-    x = torch.randn(TOKENS, DIM, requires_grad=True)
-    with spmd.set_current_mesh(spmd_mesh()):
-        loss = model(x)
+    model = RematModel(ac, fixed, probe).to(device)
+    x = torch.randn(TOKENS, DIM, device=device, requires_grad=True)
+    mesh = spmd_mesh()
 
-    def backward():
+    def backward(loss):
         probe.phase = "backward"
         loss.backward()
 
-    if placement == "main":
-        backward()
+    if placement == "device-thread":
+        with torch.autograd.set_multithreading_enabled(True), spmd.set_current_mesh(mesh):
+            backward(model(x))
     else:
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(backward).result()
+        with spmd.set_current_mesh(mesh):
+            loss = model(x)
+        if placement == "main":
+            backward(loss)
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(backward, loss).result()
     return [p.grad for p in model.parameters()] + [x.grad]
 
 
 def run(fixed: bool, device: str) -> None:
-    if device != "cpu":
-        raise ValueError(f"device must be 'cpu' (torch_remat repro), got {device!r}")
-    reference = _step("none", False, "main", Probe())
+    if device not in PLACEMENTS:
+        raise ValueError(f"device must be one of {tuple(PLACEMENTS)}, got {device!r}")
+    reference = _step("none", False, "main", Probe(), device)
     crashes = {}
-    for placement in PLACEMENTS:
+    for placement in PLACEMENTS[device]:
         for ac in ("full", "save-region"):
             where, probe = f"{placement}/{ac}", Probe()
             try:
-                grads = _step(ac, fixed, placement, probe)
+                grads = _step(ac, fixed, placement, probe, device)
             except spmd.SpmdTypeError as exc:
                 if fixed:
                     raise
@@ -110,12 +118,12 @@ def run(fixed: bool, device: str) -> None:
             replays = [c for c in probe.calls if c["phase"] == "backward"]
             if len(replays) != N_BLOCKS or any(c["mesh"] is None for c in replays):
                 raise WrongResult(f"{where}: replays {replays}, expected {N_BLOCKS} with a mesh")
-            if placement == "worker" and replays[0]["thread"] == threading.get_ident():
-                raise WrongResult(f"{where}: replay ran on the main thread, not the pool thread")
+            if placement != "main" and replays[0]["thread"] == threading.get_ident():
+                raise WrongResult(f"{where}: replay ran on the main thread, not another one")
             if not all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True)):
                 raise WrongResult(f"{where}: gradients differ from the no-checkpoint reference")
     if not fixed:
-        survivors = len(PLACEMENTS) * 2 - len(crashes)
+        survivors = len(PLACEMENTS[device]) * 2 - len(crashes)
         if survivors:
             raise AssertionError(f"{survivors} cells kept the mesh in replay (did not reproduce); "
                                  f"crashed: {sorted(crashes)}")
@@ -128,7 +136,7 @@ REPROS = [
         summary="torch_remat.checkpoint (torchtitan #4497), backward outside the mesh: replay has "
                 "no mesh; mesh_preserving_context_fn does not apply (no context_fn)",
         run=run, signatures=(Signature(exception="SpmdTypeError", message="requires an active mesh"),),
-        devices=("cpu",), requires=("torch_remat",), upstream="torchtitan #4497, #4614",
+        devices=("cpu", "cuda"), requires=("torch_remat",), upstream="torchtitan #4497, #4614",
         timeout=180.0,
     ),
 ]
