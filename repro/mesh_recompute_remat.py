@@ -133,8 +133,8 @@ def run(fixed: bool, device: str) -> None:
 REPROS = [
     Repro(
         name="mesh-recompute-remat",
-        summary="torch_remat.checkpoint (torchtitan #4497), backward outside the mesh: replay has "
-                "no mesh; mesh_preserving_context_fn does not apply (no context_fn)",
+        summary="torch_remat.checkpoint (torchtitan #4497): replay has no mesh; it takes no "
+                "context_fn, so the fix rides its recompute_state_hooks",
         run=run, signatures=(Signature(exception="SpmdTypeError", message="requires an active mesh"),),
         devices=("cpu", "cuda"), requires=("torch_remat",), upstream="torchtitan #4497, #4614",
         timeout=180.0,

@@ -147,7 +147,8 @@ def test_matrix_rows_failures_and_merge():
     older = _result("old", {"mesh-recompute": cells["mesh-recompute"]})
     broken = _result("broken", failure=Cell("could-not-install",
                                             "ERROR: No matching distribution found for torch==9.9.9"))
-    matrix = Matrix("2026-11-30T12:00Z", "abc12345", "cpu", [_result("new", cells), older, broken])
+    matrix = Matrix("2026-11-30T12:00Z", "abc12345", "cpu", [_result("new", cells), older, broken],
+                    {"mesh-recompute": "old words"})
     assert matrix.repros == list(cells)
     assert matrix.cell("old", "fix-broke").status == "could-not-run"  # not in its registry
     assert matrix.cell("broken", "cuda-only").reason.endswith("torch==9.9.9")
@@ -155,8 +156,10 @@ def test_matrix_rows_failures_and_merge():
     assert "new/cuda-only" not in matrix.problems()  # skipped is reported, not a failure
     again = Matrix.from_json(json.loads(json.dumps(matrix.to_json())))
     assert again.to_json() == matrix.to_json()
-    replaced = matrix.merged(Matrix("later", "def", "cpu", [_result("old", cells)]))
+    replaced = matrix.merged(Matrix("later", "def", "cpu", [_result("old", cells)],
+                                    {"mesh-recompute": "new words", "cuda-only": "x"}))
     assert [c.name for c in replaced.combinations] == ["new", "broken", "old"]
+    assert replaced.summaries == {"mesh-recompute": "new words", "cuda-only": "x"}
     assert replaced.cell("old", "fix-broke").status == "failed"
     with pytest.raises(ValueError, match="schema"):
         Matrix.from_json({"combinations": []})
@@ -171,8 +174,10 @@ def test_matrix_rows_failures_and_merge():
 def test_markdown_table_shows_every_cell_with_its_reason():
     matrix = Matrix("2026-11-30T12:00Z", "abc12345", "cpu",
                     [_result("combo-a", _cells()),
-                     _result("combo-b", failure=Cell("could-not-install", "ERROR: boom"))])
+                     _result("combo-b", failure=Cell("could-not-install", "ERROR: boom"))],
+                    {"needs-titan": "a | piped summary"})
     md = render_markdown(matrix)
+    assert "- `needs-titan`: a \\| piped summary" in md
     lines = md.splitlines()
     header = next(line for line in lines if line.startswith("| repro"))
     assert "`combo-a`" in header and "`combo-b`" in header
@@ -262,6 +267,12 @@ def test_run_combination_turns_runner_json_into_cells(tmp_path, monkeypatch):
     result = compat_run.run_combination(combo, tmp_path, Path.cwd(), log=lambda m: None)
     assert result.failure.status == "could-not-run"
     assert "runner exit 1: ImportError: no spmd_types" in result.failure.reason
+
+
+def test_summaries_come_from_the_runners_list():
+    summaries = compat_run.repro_summaries(sys.executable, Path(__file__).parent.parent)
+    assert summaries.keys() == discover().keys()
+    assert all(summaries[name] == r.summary for name, r in discover().items())
 
 
 # --------------------------------------------------------------------------- the committed matrix

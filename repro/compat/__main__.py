@@ -16,7 +16,8 @@ from pathlib import Path
 from repro.compat.combos import COMBINATIONS, by_name
 from repro.compat.matrix import Matrix
 from repro.compat.render import render_markdown
-from repro.compat.run import now, run_combination
+from repro.compat.run import now, repro_summaries, run_combination
+from repro.registry import DEVICES
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "compat"
@@ -45,6 +46,42 @@ def _load(path: Path) -> Matrix:
     return Matrix.from_json(json.loads(path.read_text()))
 
 
+def _merge(paths: list[str]) -> Matrix | None:
+    try:
+        parts = [_load(Path(p)) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    matrix = parts[0]
+    for part in parts[1:]:
+        matrix = matrix.merged(part)
+    return matrix.with_missing(COMBINATIONS, "no result: its run left no matrix.json")
+
+
+def _run(args, combos, out: Path) -> Matrix | None:
+    previous = None
+    if args.only and (out / "matrix.json").is_file():
+        previous = _load(out / "matrix.json")
+        if previous.device != args.device:
+            print(f"error: {out}/matrix.json is a {previous.device} matrix; use another --out",
+                  file=sys.stderr)
+            return None
+    start = time.monotonic()
+    if args.wheels:  # read by every pip the venvs run, verl's installer included
+        os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(args.wheels).resolve()))
+    results = [run_combination(c, Path(args.root).expanduser(), REPO, device=args.device,
+                               reinstall=args.reinstall,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+               for c in combos]
+    ran = [r for r in results if r.failure is None]
+    summaries = repro_summaries(str(Path(args.root).expanduser() / ran[0].name / "bin" / "python"),
+                                REPO) if ran else {}
+    matrix = Matrix(now(), _commit(), args.device, results, summaries)
+    print(f"matrix: {len(results)} combination(s) in {time.monotonic() - start:.0f}s",
+          file=sys.stderr)
+    return matrix if previous is None else previous.merged(matrix)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.compat", description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="list the combinations and exit")
@@ -54,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where the venvs live (${ROOT_ENV}, default {DEFAULT_ROOT})")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for matrix.json/.md")
     parser.add_argument("--reinstall", action="store_true", help="rebuild the venvs")
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="python -m repro --device (default cpu; cuda for a GPU column)")
+    parser.add_argument("--wheels", metavar="DIR",
+                        help="install offline from the wheels in DIR (pip --no-index --find-links)")
     parser.add_argument("--merge", nargs="+", metavar="MATRIX_JSON",
                         help="run nothing: merge these matrix.json files (later wins) into --out")
     args = parser.parse_args(argv)
@@ -68,27 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if args.merge:
-        try:
-            parts = [_load(Path(p)) for p in args.merge]
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        matrix = parts[0]
-        for part in parts[1:]:
-            matrix = matrix.merged(part)
-        matrix = matrix.with_missing(COMBINATIONS, "no result: its run left no matrix.json")
-    else:
-        start = time.monotonic()
-        root = Path(args.root).expanduser()
-        results = [run_combination(c, root, REPO, reinstall=args.reinstall,
-                                   log=lambda m: print(m, file=sys.stderr, flush=True))
-                   for c in combos]
-        matrix = Matrix(now(), _commit(), "cpu", results)
-        if args.only and (out / "matrix.json").is_file():
-            matrix = _load(out / "matrix.json").merged(matrix)
-        print(f"matrix: {len(results)} combination(s) in {time.monotonic() - start:.0f}s",
-              file=sys.stderr)
+    matrix = _merge(args.merge) if args.merge else _run(args, combos, out)
+    if matrix is None:
+        return 2
     write(matrix, out)
     print(render_markdown(matrix))
     bad = matrix.problems()

@@ -108,6 +108,7 @@ class Matrix:
     commit: str
     device: str = "cpu"
     combinations: list[CombinationResult] = field(default_factory=list)
+    summaries: dict[str, str] = field(default_factory=dict)  # repro -> its one-line summary
 
     @property
     def repros(self) -> list[str]:
@@ -138,7 +139,8 @@ class Matrix:
         """This matrix with ``newer``'s combinations replacing (or joining) its own."""
         fresh = {c.name for c in newer.combinations}
         kept = [c for c in self.combinations if c.name not in fresh]
-        return Matrix(newer.generated, newer.commit, newer.device, kept + newer.combinations)
+        return Matrix(newer.generated, newer.commit, newer.device, kept + newer.combinations,
+                      {**self.summaries, **newer.summaries})
 
     def with_missing(self, combinations, reason: str) -> Matrix:
         """This matrix plus a could-not-run column for each of ``combinations`` it lacks."""
@@ -146,16 +148,19 @@ class Matrix:
         missing = [CombinationResult(c.name, c.python, list(c.requirements), c.verl, self.generated,
                                      failure=Cell("could-not-run", reason))
                    for c in combinations if c.name not in have]
-        return Matrix(self.generated, self.commit, self.device, self.combinations + missing)
+        return Matrix(self.generated, self.commit, self.device, self.combinations + missing,
+                      self.summaries)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, "generated": self.generated, "commit": self.commit,
                 "device": self.device, "repros": self.repros,
-                "combinations": [c.to_json() for c in self.combinations]}
+                "combinations": [c.to_json() for c in self.combinations],
+                "summaries": self.summaries}
 
     @classmethod
     def from_json(cls, data: dict) -> Matrix:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"not a compat matrix of schema {SCHEMA}")
         return cls(data["generated"], data["commit"], data.get("device", "cpu"),
-                   [CombinationResult.from_json(c) for c in data["combinations"]])
+                   [CombinationResult.from_json(c) for c in data["combinations"]],
+                   dict(data.get("summaries", {})))

@@ -42,6 +42,10 @@ def render_markdown(matrix: Matrix) -> str:
     ]
     for repro in matrix.repros:
         lines.append(_row([f"`{repro}`", *(cell_text(matrix.cell(c.name, repro)) for c in combos)]))
+    if matrix.summaries:
+        lines += ["", "## Repros", ""]
+        lines += [f"- `{r}`: {_escape(matrix.summaries[r], 400)}" for r in matrix.repros
+                  if r in matrix.summaries]
     lines += ["", "## Combinations", "",
               _row(["combination", "python", *_VERSIONS, "run on", "install s", "run s"]),
               _row(["---"] * (len(_VERSIONS) + 5))]

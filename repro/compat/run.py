@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +19,18 @@ RUNNER_TIMEOUT = 3600.0  # every repro has its own timeout inside; this is the b
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
+
+
+_LISTED = re.compile(r"^(\S+)\s+\[[^\]]*\]\s(.*)$")
+
+
+def repro_summaries(python: str, repo: Path) -> dict[str, str]:
+    """Each repro's one-line summary, as ``python -m repro --list`` prints it in a venv."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo),
+                                                                      os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([python, "-m", "repro", "--list"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    return {m[1]: m[2].strip() for line in done.stdout.splitlines() if (m := _LISTED.match(line))}
 
 
 def run_combination(combo: Combination, root: Path, repo: Path, *, device: str = "cpu",
