@@ -52,6 +52,8 @@ RUNNER_JSON = [
     _outcome("needs-titan", _path("skipped", "missing torchtitan"), _path("skipped", "missing torchtitan")),
     _outcome("needs-both", _path("skipped", "missing torch_remat, torchtitan"),
              _path("skipped", "missing torch_remat, torchtitan")),
+    _outcome("needs-verl080", _path("skipped", "verl 0.8.0 is not installed under /r; install it"),
+             _path("passed", "completed")),
 ]
 
 
@@ -78,6 +80,13 @@ def test_a_module_left_out_on_purpose_reads_could_not_run_with_why():
     cells = _cells()
     assert (cells["needs-titan"].status, cells["needs-titan"].reason) == ("could-not-run", TITAN_PIN)
     assert cells["needs-both"].status == "could-not-run"  # torch_remat alone would be a skip
+    assert cells["needs-verl080"].status == "skipped"  # no verl left out on purpose here
+    only091 = Combination(name="x", python="3.11", torch="2.13.0", verl="0.9.1",
+                          absent=(("torchtitan", TITAN_PIN),))
+    verl_cell = cells_from_runner(RUNNER_JSON, only091.absent_reasons)["needs-verl080"]
+    assert (verl_cell.status, verl_cell.reason) == (
+        "could-not-run", "verl 0.8.0 is not in this combination (verl: 0.9.1)")
+    assert verl_cell.fixed["status"] == "passed"  # each path's own verdict is kept
     without = cells_from_runner(RUNNER_JSON)  # a combination that leaves nothing out
     assert (without["needs-titan"].status, without["needs-titan"].reason) == (
         "skipped", "missing torchtitan")

@@ -23,8 +23,9 @@ class Combination:
     """One venv: ``pip install torch==<torch> <packages...>`` in one resolver run (so nothing
     moves torch), verl releases unpacked beside it, then ``python -m repro --json``.
 
-    ``absent`` names importable modules this combination leaves out on purpose and why; a repro
-    skipped for a missing one is reported "could not run: <why>". ``lift_pip_cap`` installs with
+    ``absent`` names what this combination leaves out on purpose (an importable module) and
+    why; a repro skipped for it is reported "could not run: <why>" (verl releases not named in
+    ``verl`` are added: ``absent_reasons``). ``lift_pip_cap`` installs with
     no pip configuration files (this machine's config caps torch at 2.14.1)."""
 
     name: str
@@ -52,6 +53,13 @@ class Combination:
         if self.verl == "both":
             return VERL_RELEASES
         return () if self.verl == "none" else (self.verl,)
+
+    @property
+    def absent_reasons(self) -> dict[str, str]:
+        """``absent`` plus each verl release this combination does not install."""
+        left_out = {f"verl {v}": f"verl {v} is not in this combination (verl: {self.verl})"
+                    for v in VERL_RELEASES if v not in self.verl_versions}
+        return {**left_out, **dict(self.absent)}
 
     @property
     def requirements(self) -> tuple[str, ...]:

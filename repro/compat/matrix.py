@@ -1,8 +1,8 @@
 """The matrix: per combination, per repro, one cell built from ``python -m repro --json``.
 
 A cell is ``ok`` (unfixed reproduced, fixed passed), ``failed`` (either path did not), ``skipped``
-(the runner's reason kept), ``could-not-run`` (a package the combination leaves out on purpose,
-or the runner itself died) or ``could-not-install`` (pip's last line). Skipped never counts as
+(the runner's reason kept), ``could-not-run`` (skipped for something the combination leaves out
+on purpose, or the runner itself died) or ``could-not-install`` (pip's last line). Skipped never counts as
 good; each path's own status and detail are kept beside the verdict.
 """
 
@@ -26,16 +26,10 @@ class Cell:
             raise ValueError(f"cell status must be one of {CELL_STATUSES}, got {self.status!r}")
 
 
-def _missing_modules(detail: str) -> list[str]:
-    """The runner says ``missing a, b`` when a repro's required modules are not importable."""
-    if not detail.startswith("missing "):
-        return []
-    return [m.strip() for m in detail[len("missing "):].split(",")]
-
-
 def cell_from_outcome(outcome: dict, absent: dict[str, str] | None = None) -> Cell:
-    """One runner outcome (``ReproOutcome.as_dict()``) as a cell. ``absent``: module -> why the
-    combination leaves it out; a repro skipped for such a module could not run, for that why."""
+    """One runner outcome (``ReproOutcome.as_dict()``) as a cell. ``absent``: what the
+    combination leaves out on purpose (a module, "verl 0.8.0") -> why; a repro whose skip reason
+    names it ("missing torchtitan") could not run, for that why."""
     try:
         unfixed, fixed = dict(outcome["unfixed"]), dict(outcome["fixed"])
         statuses = unfixed["status"], fixed["status"]
@@ -44,7 +38,7 @@ def cell_from_outcome(outcome: dict, absent: dict[str, str] | None = None) -> Ce
         raise ValueError(f"not a runner outcome (needs unfixed/fixed with status): {outcome!r}") from exc
     if "skipped" in statuses:
         reason = details[statuses.index("skipped")]
-        whys = [absent[m] for m in _missing_modules(reason) if m in (absent or {})]
+        whys = [why for what, why in (absent or {}).items() if what in reason]
         if whys:
             return Cell("could-not-run", "; ".join(whys), unfixed, fixed)
         return Cell("skipped", reason, unfixed, fixed)

@@ -64,7 +64,7 @@ def run_combination(combo: Combination, root: Path, repo: Path, *, device: str =
         runner_error = f"runner timed out after {RUNNER_TIMEOUT:.0f}s"
     result.run_seconds = round(time.monotonic() - start, 1)
     result.date = now()
-    absent = dict(combo.absent)
+    absent = combo.absent_reasons
     try:
         result.cells = cells_from_runner(json.loads(out.read_text()), absent)
     except (OSError, ValueError) as exc:  # no JSON, or not the runner's: the run itself broke
