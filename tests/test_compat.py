@@ -141,6 +141,24 @@ def test_the_combinations_cover_the_released_versions():
     assert {c.python for c in COMBINATIONS if "megatron-core==0.19.2" in c.requirements} == {"3.12"}
     with pytest.raises(ValueError, match="known: "):
         by_name(["nope"])
+    with pytest.raises(ValueError, match="'cpu', 'cuda'"):
+        by_name([], device="tpu")
+
+
+def test_a_gpu_column_uses_the_hosts_own_torch(tmp_path, monkeypatch):
+    (gpu,) = by_name([], device="cuda")
+    assert gpu.torch == "system" and not any(r.startswith("torch==") for r in gpu.requirements)
+    assert by_name([gpu.name], device="cuda") == (gpu,)
+    combo = _this_python_combo()
+    system = Combination(name="sys", python=combo.python, torch="system", packages=("numpy",))
+    made = {}
+    monkeypatch.setattr(venvs, "create_venv", lambda base, venv, system_site=False: made.update(
+        system_site=system_site) or venv.mkdir() or venvs.venv_python(venv))
+    monkeypatch.setattr(venvs, "_run", lambda python, args, c, repo: made.update(args=args) or
+                        subprocess.CompletedProcess(args, 0, "", ""))
+    assert venvs.ensure_venv(system, tmp_path, Path.cwd()).ok
+    assert made == {"system_site": True, "args": ["-m", "pip", "install", "--progress-bar", "off",
+                                                  "numpy"]}
 
 
 # --------------------------------------------------------------------------- matrix + markdown
@@ -225,8 +243,8 @@ def _this_python_combo(**kwargs):
 def test_install_failure_reports_pips_last_line_and_success_is_reused(tmp_path, monkeypatch):
     combo = _this_python_combo(verl="0.9.1")
     calls = []
-    monkeypatch.setattr(venvs, "create_venv", lambda base, venv: venv.mkdir(exist_ok=True) or
-                        venvs.venv_python(venv))
+    monkeypatch.setattr(venvs, "create_venv", lambda base, venv, system_site=False:
+                        venv.mkdir(exist_ok=True) or venvs.venv_python(venv))
 
     def fake_run(python, args, combination, repo):
         calls.append(args)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from repro.compat.combos import COMBINATIONS, by_name
+from repro.compat.combos import by_name, for_device
 from repro.compat.matrix import Matrix
 from repro.compat.render import render_markdown
 from repro.compat.run import now, repro_summaries, run_combination
@@ -55,7 +55,7 @@ def _merge(paths: list[str]) -> Matrix | None:
     matrix = parts[0]
     for part in parts[1:]:
         matrix = matrix.merged(part)
-    return matrix.with_missing(COMBINATIONS, "no result: its run left no matrix.json")
+    return matrix.with_missing(for_device(matrix.device), "no result: its run left no matrix.json")
 
 
 def _run(args, combos, out: Path) -> Matrix | None:
@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.list:
-        for c in COMBINATIONS:
+        for c in for_device(args.device):
             print(f"{c.name:42} python {c.python}  {' '.join(c.requirements)}  verl={c.verl}")
         return 0
     try:
-        combos = by_name(args.only)
+        combos = by_name(args.only, args.device)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

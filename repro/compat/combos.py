@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass
 
 PYTHONS = ("3.11", "3.12")
+SYSTEM_TORCH = "system"  # the base interpreter's own torch (a venv with system site-packages)
 VERL_RELEASES = ("0.8.0", "0.9.1")
 VERL_CHOICES = ("none", *VERL_RELEASES, "both")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
@@ -43,8 +44,9 @@ class Combination:
             raise ValueError(f"{self.name}: python must be one of {PYTHONS}, got {self.python!r}")
         if self.verl not in VERL_CHOICES:
             raise ValueError(f"{self.name}: verl must be one of {VERL_CHOICES}, got {self.verl!r}")
-        if not re.fullmatch(r"\d+\.\d+\.\d+", self.torch):
-            raise ValueError(f"{self.name}: torch must be an exact release like 2.13.0, got {self.torch!r}")
+        if self.torch != SYSTEM_TORCH and not re.fullmatch(r"\d+\.\d+\.\d+", self.torch):
+            raise ValueError(f"{self.name}: torch must be an exact release like 2.13.0 or "
+                             f"{SYSTEM_TORCH!r}, got {self.torch!r}")
         if any(p.split("==")[0].strip().lower() == "torch" for p in self.packages):
             raise ValueError(f"{self.name}: give torch in torch=, not in packages")
 
@@ -63,6 +65,8 @@ class Combination:
 
     @property
     def requirements(self) -> tuple[str, ...]:
+        if self.torch == SYSTEM_TORCH:
+            return self.packages
         return (f"torch=={self.torch}", *self.packages)
 
     def install_spec(self) -> dict:
@@ -98,10 +102,30 @@ COMBINATIONS: tuple[Combination, ...] = (
 )
 
 
-def by_name(names) -> tuple[Combination, ...]:
-    """The combinations named (all for an empty selection); ValueError naming the known ones."""
-    known = {c.name: c for c in COMBINATIONS}
+# For a GPU column on a host that cannot install a CUDA torch (no network, small uploads): its
+# own torch, the small wheels beside it (--wheels DIR). torchtitan 0.3.0's models need torch >=
+# ~2.12, so it is left out where the host's torch is older.
+CUDA_COMBINATIONS: tuple[Combination, ...] = (
+    Combination(
+        name="py3.12-torch-system-spmd0.2.3-mcore0.19.2", python="3.12", torch=SYSTEM_TORCH,
+        packages=("spmd-types==0.2.3", "megatron-core==0.19.2", "torch-remat==0.2.2"),
+        verl="both", absent=(("torchtitan", "torchtitan 0.3.0's models need torch >= 2.12"),),
+    ),
+)
+
+
+def for_device(device: str) -> tuple[Combination, ...]:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of ('cpu', 'cuda'), got {device!r}")
+    return COMBINATIONS if device == "cpu" else CUDA_COMBINATIONS
+
+
+def by_name(names, device: str = "cpu") -> tuple[Combination, ...]:
+    """The ``device`` combinations named (all for an empty selection); ValueError naming the
+    known ones."""
+    known = {c.name: c for c in for_device(device)}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown combination {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
-    return tuple(known[n] for n in names) if names else COMBINATIONS
+        raise ValueError(f"unknown {device} combination {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(known)}")
+    return tuple(known[n] for n in names) if names else tuple(known.values())

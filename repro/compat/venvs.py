@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.compat.combos import Combination
+from repro.compat.combos import SYSTEM_TORCH, Combination
 
 MARKER = "stackfix-compat.json"
 VERL_DIR = "verl-releases"
@@ -78,11 +78,12 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def create_venv(base: str, venv: Path) -> Path:
+def create_venv(base: str, venv: Path, system_site: bool = False) -> Path:
     """A fresh venv at ``venv`` (an old one is removed) from interpreter ``base``."""
     if venv.exists():
         shutil.rmtree(venv)
-    subprocess.run([base, "-m", "venv", str(venv)], check=True, capture_output=True)
+    flags = ["--system-site-packages"] if system_site else []
+    subprocess.run([base, "-m", "venv", *flags, str(venv)], check=True, capture_output=True)
     return venv_python(venv)
 
 
@@ -109,7 +110,7 @@ def ensure_venv(combo: Combination, root: Path, repo: Path, *, reinstall: bool =
         base = find_python(combo.python)
     except LookupError as exc:
         return Install(False, None, time.monotonic() - start, error=str(exc))
-    python = create_venv(base, venv)
+    python = create_venv(base, venv, system_site=combo.torch == SYSTEM_TORCH)
     steps = [["-m", "pip", "install", "--progress-bar", "off", *combo.requirements]]
     if combo.verl_versions:  # verl's own installer: pip install --no-deps --target ROOT/VERSION
         steps.append(["-m", "repro.verl_release", "install", "--root", str(venv / VERL_DIR),
