@@ -203,7 +203,9 @@ def test_markdown_table_shows_every_cell_with_its_reason():
                     [_result("combo-a", _cells()),
                      _result("combo-b", failure=Cell("could-not-install", "ERROR: boom"))],
                     {"needs-titan": "a | piped summary"})
+    matrix.combinations[0].commit = "feedbeef"
     md = render_markdown(matrix)
+    assert "| `feedbeef` |" in md and "| `?` |" in md  # each combination's own checkout
     assert "- `needs-titan`: a \\| piped summary" in md
     lines = md.splitlines()
     header = next(line for line in lines if line.startswith("| repro"))

@@ -69,14 +69,17 @@ def _run(args, combos, out: Path) -> Matrix | None:
     start = time.monotonic()
     if args.wheels:  # read by every pip the venvs run, verl's installer included
         os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(args.wheels).resolve()))
+    commit = _commit()
     results = [run_combination(c, Path(args.root).expanduser(), REPO, device=args.device,
                                reinstall=args.reinstall,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
                for c in combos]
+    for result in results:
+        result.commit = commit
     ran = [r for r in results if r.failure is None]
     summaries = repro_summaries(str(Path(args.root).expanduser() / ran[0].name / "bin" / "python"),
                                 REPO) if ran else {}
-    matrix = Matrix(now(), _commit(), args.device, results, summaries)
+    matrix = Matrix(now(), commit, args.device, results, summaries)
     print(f"matrix: {len(results)} combination(s) in {time.monotonic() - start:.0f}s",
           file=sys.stderr)
     return matrix if previous is None else previous.merged(matrix)

@@ -96,7 +96,7 @@ COMBINATIONS: tuple[Combination, ...] = (
     ),
     Combination(
         name="py3.12-torch2.15-spmd0.2.3-mcore0.19.2", python="3.12", torch="2.15.0",
-        packages=(*_TITAN, "megatron-core==0.19.2", "numpy", "torch-remat==0.2.2"), verl="0.8.0",
+        packages=(*_TITAN, "megatron-core==0.19.2", "numpy", "torch-remat==0.2.2"), verl="both",
         lift_pip_cap=True,
     ),
 )

@@ -74,6 +74,7 @@ class CombinationResult:
     install_seconds: float = 0.0
     run_seconds: float = 0.0
     reused_venv: bool = False
+    commit: str = ""  # the checkout the repros ran from
     cells: dict[str, Cell] = field(default_factory=dict)
     failure: Cell | None = None  # could-not-install / could-not-run: every repro's cell
 

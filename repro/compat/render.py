@@ -30,8 +30,9 @@ def render_markdown(matrix: Matrix) -> str:
         "# Compatibility matrix",
         "",
         f"Every repro, unfixed and fixed (`python -m repro --json`, device {matrix.device}), in "
-        f"one virtualenv per released stack combination. Generated {matrix.generated} at commit "
-        f"`{matrix.commit}` by `tox -m compat` (`python -m repro.compat`).",
+        f"one virtualenv per released stack combination. Generated {matrix.generated} (last run "
+        f"from commit `{matrix.commit}`; each combination's own below) by `tox -m compat` "
+        "(`python -m repro.compat`).",
         "",
         "A cell says: **reproduced · fixed-passed** (the bug still reproduces unfixed and our "
         "fix still holds), **FAILED** (which path, and how), **skipped** / **could not run** "
@@ -47,13 +48,14 @@ def render_markdown(matrix: Matrix) -> str:
         lines += [f"- `{r}`: {_escape(matrix.summaries[r], 400)}" for r in matrix.repros
                   if r in matrix.summaries]
     lines += ["", "## Combinations", "",
-              _row(["combination", "python", *_VERSIONS, "run on", "install s", "run s"]),
-              _row(["---"] * (len(_VERSIONS) + 5))]
+              _row(["combination", "python", *_VERSIONS, "run on", "commit", "install s",
+                    "run s"]),
+              _row(["---"] * (len(_VERSIONS) + 6))]
     for c in combos:
         versions = [c.installed.get(p, "—") for p in _VERSIONS]
         install = f"{c.install_seconds:.0f}" + (" (reused)" if c.reused_venv else "")
-        lines.append(_row([f"`{c.name}`", c.python, *versions, c.date, install,
-                           f"{c.run_seconds:.0f}"]))
+        lines.append(_row([f"`{c.name}`", c.python, *versions, c.date, f"`{c.commit or '?'}`",
+                           install, f"{c.run_seconds:.0f}"]))
     lines += ["", "Requested (one pip resolver run per combination, torch pinned):", ""]
     lines += [f"- `{c.name}`: `{' '.join(c.requested)}`; verl: {c.verl}" for c in combos]
     return "\n".join(lines) + "\n"
