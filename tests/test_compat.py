@@ -279,19 +279,24 @@ def test_run_combination_turns_runner_json_into_cells(tmp_path, monkeypatch):
     seen = {}
 
     def fake_runner(argv, **kwargs):
+        if argv[0] == "git":  # subprocess.run is patched for everyone: the checkout's commit
+            return subprocess.CompletedProcess(argv, 128, "", "not a git repository")
         seen.update(argv=argv, env=kwargs["env"])
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(RUNNER_JSON))
         return subprocess.CompletedProcess(argv, 1, "table", "")  # bad repros: exit 1
 
     monkeypatch.setattr(compat_run.subprocess, "run", fake_runner)
+    monkeypatch.setenv("STACKFIX_MEGATRON_LM", str(tmp_path / "Megatron-LM"))
     result = compat_run.run_combination(combo, tmp_path, Path.cwd(), log=lambda m: None)
     assert seen["argv"][1:5] == ["-m", "repro", "--device", "cpu"]
+    assert result.installed["megatron-lm-dev"].startswith("Megatron-LM (unknown")
     assert seen["env"]["STACKFIX_VERL_ROOT"] == str(tmp_path / "probe" / venvs.VERL_DIR)
     assert result.failure is None and result.cells["needs-titan"].reason == TITAN_PIN
 
     def dying_runner(argv, **kwargs):
         return subprocess.CompletedProcess(argv, 1, "", "Traceback\nImportError: no spmd_types\n")
 
+    monkeypatch.delenv("STACKFIX_MEGATRON_LM")
     monkeypatch.setattr(compat_run.subprocess, "run", dying_runner)
     result = compat_run.run_combination(combo, tmp_path, Path.cwd(), log=lambda m: None)
     assert result.failure.status == "could-not-run"

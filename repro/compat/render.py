@@ -6,7 +6,8 @@ from repro.compat.matrix import Cell, Matrix
 
 _WORDS = {"skipped": "skipped", "could-not-run": "could not run",
           "could-not-install": "could not install", "failed": "FAILED"}
-_VERSIONS = ("torch", "spmd-types", "torchtitan", "megatron-core", "torch-remat", "verl")
+_VERSIONS = ("torch", "spmd-types", "torchtitan", "megatron-core", "megatron-lm-dev",
+             "torch-remat", "verl")
 
 
 def _escape(text: str, limit: int = 160) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from repro.compat.combos import Combination
 from repro.compat.matrix import Cell, CombinationResult, cells_from_runner
 from repro.compat.venvs import VERL_DIR, ensure_venv, installed_versions, last_error_line
+from repro.harness.megatron_lm import checkout_commit, megatron_lm_checkout
 
 RUNNER_TIMEOUT = 3600.0  # every repro has its own timeout inside; this is the backstop
 
@@ -46,6 +47,10 @@ def run_combination(combo: Combination, root: Path, repo: Path, *, device: str =
         return result
     venv = root / combo.name
     result.installed = installed_versions(venv)
+    if (checkout := megatron_lm_checkout()) is not None:  # the mHC repros' dev tree, if named
+        commit = checkout_commit(checkout)
+        result.installed["megatron-lm-dev"] = commit[:8] if re.fullmatch(r"[0-9a-f]{40}", commit) \
+            else f"{checkout.name} ({commit})"
     log(f"[{combo.name}] {'reused' if install.reused else 'built'} in {install.seconds:.0f}s: "
         f"{result.installed}; running python -m repro ...")
     out = venv / "repro.json"
