@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import subprocess
 import time
@@ -12,7 +11,13 @@ from pathlib import Path
 
 from repro.compat.combos import Combination
 from repro.compat.matrix import Cell, CombinationResult, cells_from_runner
-from repro.compat.venvs import VERL_DIR, ensure_venv, installed_versions, last_error_line
+from repro.compat.venvs import (
+    VERL_DIR,
+    checkout_env,
+    ensure_venv,
+    installed_versions,
+    last_error_line,
+)
 from repro.harness.megatron_lm import checkout_commit, megatron_lm_checkout
 
 RUNNER_TIMEOUT = 3600.0  # every repro has its own timeout inside; this is the backstop
@@ -27,9 +32,7 @@ _LISTED = re.compile(r"^(\S+)\s+\[[^\]]*\]\s(.*)$")
 
 def repro_summaries(python: str, repo: Path) -> dict[str, str]:
     """Each repro's one-line summary, as ``python -m repro --list`` prints it in a venv."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo),
-                                                                      os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([python, "-m", "repro", "--list"], cwd=repo, env=env,
+    done = subprocess.run([python, "-m", "repro", "--list"], cwd=repo, env=checkout_env(repo),
                           capture_output=True, text=True, timeout=600)
     return {m[1]: m[2].strip() for line in done.stdout.splitlines() if (m := _LISTED.match(line))}
 
@@ -55,9 +58,7 @@ def run_combination(combo: Combination, root: Path, repo: Path, *, device: str =
         f"{result.installed}; running python -m repro ...")
     out = venv / "repro.json"
     out.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo),
-                                                                      os.environ.get("PYTHONPATH")])),
-               STACKFIX_VERL_ROOT=str(venv / VERL_DIR))
+    env = checkout_env(repo, STACKFIX_VERL_ROOT=str(venv / VERL_DIR))
     start = time.monotonic()
     try:
         done = subprocess.run([install.python, "-m", "repro", "--device", device, "--json", str(out)],

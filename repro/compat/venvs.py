@@ -87,11 +87,16 @@ def create_venv(base: str, venv: Path, system_site: bool = False) -> Path:
     return venv_python(venv)
 
 
+def checkout_env(repo: Path, **extra: str) -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (the repo is never installed)."""
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def _run(python: Path, args: list[str], combo: Combination, repo: Path):
     """``python <args>`` in the checkout; pip reads no configuration file if the combination
     lifts the cap (PIP_CONFIG_FILE=os.devnull is pip's documented off switch)."""
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    env = checkout_env(repo, PIP_DISABLE_PIP_VERSION_CHECK="1")
     if combo.lift_pip_cap:
         env["PIP_CONFIG_FILE"] = os.devnull
     return subprocess.run([str(python), *args], capture_output=True, text=True, env=env,
