@@ -1,4 +1,4 @@
-"""One contract for every optional upstream (torchtitan, megatron-core, vLLM): with the package
+"""One contract for every optional upstream (torchtitan, torch_remat, megatron-core, vLLM): with the package
 absent, ``import fixes.<stack>`` still works, exposes its public names and never imports it,
 and the CPU suite collects with skips, never an ImportError."""
 
@@ -13,7 +13,7 @@ from repro import run_isolated
 pytestmark = pytest.mark.cpu
 
 ROOT = str(Path(__file__).parent.parent)
-OPTIONAL = ("torchtitan", "megatron", "vllm")
+OPTIONAL = ("torchtitan", "torch_remat", "megatron", "vllm")
 
 # Setting sys.modules[name] = None makes every `import name...` raise ImportError, as if absent.
 BLOCK = f"import sys\nfor _m in {OPTIONAL!r}:\n    sys.modules[_m] = None\n"
@@ -21,7 +21,8 @@ BLOCK = f"import sys\nfor _m in {OPTIONAL!r}:\n    sys.modules[_m] = None\n"
 PUBLIC = {
     "fixes.torchtitan": ("mesh_preserving_context_fn", "mesh_preserving", "single_threaded_backward",
                          "make_checkpoint_wrappers_mesh_preserving", "TorchtitanEngineConfig",
-                         "TorchtitanEngine", "derive_name_and_flavor"),
+                         "TorchtitanEngine", "derive_name_and_flavor",
+                         "mesh_preserving_remat_checkpoint", "MeshRecomputeStateHook"),
     "fixes.megatron": ("is_storage_exclusive", "apply_recompute_reclaim_patch",
                        "remove_recompute_reclaim_patch", "apply_mtp_postprocess_patch",
                        "remove_mtp_postprocess_patch"),

@@ -86,6 +86,17 @@ def _max_diff(a, b):
 
 
 @pytest.mark.cpu
+def test_ac_without_checkpoint_wrappers_is_refused_by_version(process_group, monkeypatch):
+    import fixes.torchtitan.engine as engine_module
+
+    # As if torchtitan applied AC without CheckpointWrapper (torch_remat, torchtitan #4497).
+    monkeypatch.setattr(engine_module, "make_checkpoint_wrappers_mesh_preserving", lambda m: 0)
+    with pytest.raises(RuntimeError, match=r"torchtitan \d+\.\d+\.\d+: .*mesh_preserving_remat"):
+        _engine("llama3", ac="selective")
+    assert _engine("llama3", ac="none").mesh_preserving_wrappers == 0
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
 def test_every_ac_mode_same_loss_and_grads_then_loss_falls(process_group, name):
     engines = {ac: _engine(name, ac=ac) for ac in AC_MODES}

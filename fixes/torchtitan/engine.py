@@ -30,6 +30,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,13 @@ def canonical_param_name(name: str) -> str:
     for part in _WRAPPER_NAME_PARTS:
         name = name.replace(part, "")
     return name.removeprefix("_orig_mod.")
+
+
+def _torchtitan_version() -> str:
+    try:
+        return metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 def _skip_fsdp(cfg: TorchtitanEngineConfig, parallel_dims) -> bool:
@@ -276,6 +284,14 @@ class TorchtitanEngine:
         self.mesh_preserving_wrappers = 0
         if tc.activation_checkpoint is not None and mesh_preserving_recompute:
             self.mesh_preserving_wrappers = make_checkpoint_wrappers_mesh_preserving(model)
+            if self.mesh_preserving_wrappers == 0:
+                # AC is on but applied some other way (torchtitan #4497 moves it to torch_remat):
+                # refuse rather than train with a recompute that loses the mesh.
+                raise RuntimeError(
+                    f"torchtitan {_torchtitan_version()}: activation checkpointing installed no "
+                    "CheckpointWrapper, so no mesh-preserving context_fn could be added; under "
+                    "torch_remat use fixes.torchtitan.mesh_preserving_remat_checkpoint"
+                )
         self.train_context = dist_utils.get_spmd_context(parallel_dims=self.parallel_dims)
         model.to_empty(device=self.device)
         torch.manual_seed(cfg.seed)

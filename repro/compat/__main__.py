@@ -1,0 +1,127 @@
+"""``python -m repro.compat``: run the repros in every combination's venv and write the matrix.
+
+Exit status: 0 when the matrix was written and no cell failed or could not install, 1 when one
+did, 2 on bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from repro.compat.combos import by_name, for_device
+from repro.compat.matrix import Matrix
+from repro.compat.render import render_markdown
+from repro.compat.run import now, repro_summaries, run_combination
+from repro.registry import DEVICES
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "compat"
+ROOT_ENV = "STACKFIX_COMPAT_ROOT"
+DEFAULT_ROOT = "~/.cache/stackfix/compat-envs"
+
+
+def _commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=8", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def write(matrix: Matrix, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.json").write_text(json.dumps(matrix.to_json(), indent=1) + "\n")
+    (out / "matrix.md").write_text(render_markdown(matrix))
+
+
+def _load(path: Path) -> Matrix:
+    return Matrix.from_json(json.loads(path.read_text()))
+
+
+def _merge(paths: list[str]) -> Matrix | None:
+    try:
+        parts = [_load(Path(p)) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    matrix = parts[0]
+    for part in parts[1:]:
+        matrix = matrix.merged(part)
+    return matrix.with_missing(for_device(matrix.device), "no result: its run left no matrix.json")
+
+
+def _run(args, combos, out: Path) -> Matrix | None:
+    previous = None
+    if args.only and (out / "matrix.json").is_file():
+        previous = _load(out / "matrix.json")
+        if previous.device != args.device:
+            print(f"error: {out}/matrix.json is a {previous.device} matrix; use another --out",
+                  file=sys.stderr)
+            return None
+    start = time.monotonic()
+    if args.wheels:  # read by every pip the venvs run, verl's installer included
+        os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(args.wheels).resolve()))
+    commit = _commit()
+    results = [run_combination(c, Path(args.root).expanduser(), REPO, device=args.device,
+                               reinstall=args.reinstall,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+               for c in combos]
+    for result in results:
+        result.commit = commit
+    ran = [r for r in results if r.failure is None]
+    summaries = repro_summaries(str(Path(args.root).expanduser() / ran[0].name / "bin" / "python"),
+                                REPO) if ran else {}
+    matrix = Matrix(now(), commit, args.device, results, summaries)
+    print(f"matrix: {len(results)} combination(s) in {time.monotonic() - start:.0f}s",
+          file=sys.stderr)
+    return matrix if previous is None else previous.merged(matrix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.compat", description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the combinations and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this combination (repeatable); merged into --out's matrix")
+    parser.add_argument("--root", default=os.environ.get(ROOT_ENV, DEFAULT_ROOT),
+                        help=f"where the venvs live (${ROOT_ENV}, default {DEFAULT_ROOT})")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for matrix.json/.md")
+    parser.add_argument("--reinstall", action="store_true", help="rebuild the venvs")
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="python -m repro --device (default cpu; cuda for a GPU column)")
+    parser.add_argument("--wheels", metavar="DIR",
+                        help="install offline from the wheels in DIR (pip --no-index --find-links)")
+    parser.add_argument("--merge", nargs="+", metavar="MATRIX_JSON",
+                        help="run nothing: merge these matrix.json files (later wins) into --out")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for c in for_device(args.device):
+            print(f"{c.name:42} python {c.python}  {' '.join(c.requirements)}  verl={c.verl}")
+        return 0
+    try:
+        combos = by_name(args.only, args.device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    matrix = _merge(args.merge) if args.merge else _run(args, combos, out)
+    if matrix is None:
+        return 2
+    write(matrix, out)
+    print(render_markdown(matrix))
+    bad = matrix.problems()
+    if bad:
+        print(f"failed or could not install: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
