@@ -86,11 +86,22 @@ def test_sanitizer_step_time(benchmark, figure_book, device, strategy):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_sanitizers_change_no_gradient(device):
-    grads = {}
-    for strategy in STRATEGIES:
+    """Each sanitizer's grads differ from the unsanitized run's by no more than two unsanitized
+    runs differ from each other (exactly 0 on CPU; CUDA backward kernels with atomics are not
+    bitwise repeatable, which an H200 run showed as a torch.equal failure)."""
+
+    def grads(strategy):
         setup = _setup(device)
         with _sanitized(strategy):
             setup.step()
-        grads[strategy] = [p.grad.clone() for p in setup.model.parameters()]
+        return [p.grad.clone() for p in setup.model.parameters()]
+
+    def distance(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+    reference = grads("none")
+    noise = distance(grads("none"), reference)
+    if device == "cpu":
+        assert noise == 0.0
     for strategy in STRATEGIES[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(grads[strategy], grads["none"], strict=True))
+        assert distance(grads(strategy), reference) <= noise * 4 + 1e-12, strategy

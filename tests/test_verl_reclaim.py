@@ -7,6 +7,7 @@ process, and a crash must end a child, not pytest."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -27,8 +28,12 @@ def _need(version: str) -> None:
 
 
 def _child(code: str, timeout: float = 300):
+    # Prepended, not replaced: a PYTHONPATH that already carries the stack (an offline GPU box's
+    # wheel target) must reach the child too.
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"),
+                                       os.environ.get("PYTHONPATH", "")) if p)
     return run_isolated(code=textwrap.dedent(code), timeout=timeout, cwd=str(REPO),
-                        env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+                        env={"PYTHONPATH": path})
 
 
 @pytest.mark.cpu
