@@ -157,9 +157,9 @@ def test_fsdp_under_spmd_types_needs_torch_2_14(torch_version, ok):
 def test_config_checks_fsdp_support_against_the_running_torch():
     import torch
 
-    from fixes.torchtitan.config import FSDP_WITH_SPMD_TYPES_TORCH, _release
+    from fixes.torchtitan.config import FSDP_WITH_SPMD_TYPES_TORCH, release_tuple
 
-    if _release(torch.__version__) >= FSDP_WITH_SPMD_TYPES_TORCH:
+    if release_tuple(torch.__version__) >= FSDP_WITH_SPMD_TYPES_TORCH:
         TorchtitanEngineConfig(dp_shard=2, spmd_backend="spmd_types")
     else:
         with pytest.raises(ValueError, match="needs torch >= 2.14"):

@@ -134,7 +134,7 @@ def check_fsdp_supported(spmd_backend: str, dp_shard: int, torch_version: str | 
     if spmd_backend != "spmd_types" or dp_shard in (-1, 1):
         return
     version = torch_version or _torch_version()
-    if _release(version) < FSDP_WITH_SPMD_TYPES_TORCH:
+    if release_tuple(version) < FSDP_WITH_SPMD_TYPES_TORCH:
         need = ".".join(map(str, FSDP_WITH_SPMD_TYPES_TORCH))
         raise ValueError(
             f"dp_shard={dp_shard} (FSDP) with spmd_backend='spmd_types' needs torch >= {need}; "
@@ -149,7 +149,8 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def _release(version: str) -> tuple[int, int]:
+def release_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as "2.13.0+cpu"."""
     major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
     return int(major), int(minor)
 
