@@ -37,6 +37,8 @@ METRIC_TITLES = {
     "step_time_multithreaded_s": "step time, multithreaded backward (median)",
     "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (medians)",
     "step_time_s": "step time (median of interleaved rounds)",
+    "sanitizer_step_time_min_ratio": "fastest step under the sanitizer(s) / without",
+    "step_time_min_s": "step time (fastest of interleaved rounds)",
 }
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1120px;
