@@ -5,6 +5,7 @@ check it across ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import types
@@ -38,16 +39,38 @@ def _mesh_dependent(x):
     return x.sin() * 1.0
 
 
+class MegatronStyleCheckpointFunction(torch.autograd.Function):
+    """A reentrant checkpoint of the shape of megatron-core's CheckpointFunction: the forward
+    runs without grad, the backward replays it and backpropagates through the replay."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return _mesh_dependent(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = _mesh_dependent(x)
+        torch.autograd.backward(out, grad)
+        return x.grad
+
+
 def _checkpointed(kind: str, x):
     if kind == "reentrant":
         return checkpoint(_mesh_dependent, x, use_reentrant=True)
+    if kind == "megatron-style":
+        return MegatronStyleCheckpointFunction.apply(x)
     context_fn = mesh_preserving_context_fn if kind == "mesh_preserving" else None
     kwargs = {} if context_fn is None else {"context_fn": context_fn}
     return checkpoint(_mesh_dependent, x, use_reentrant=False, **kwargs)
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("kind", ["non-reentrant", "reentrant", "megatron-style"])
 def test_lookup_in_recompute_outside_the_mesh_raises(kind, mesh):
     x = torch.randn(4, requires_grad=True)
     with mesh_sanitizer() as s:
@@ -106,6 +129,32 @@ def test_no_error_where_the_mesh_is_kept_or_was_never_there(mesh):
         z.sum().backward()
         assert seen == [None] and s.mesh_seen
         assert spmd.current_mesh() is None  # and outside backward
+
+
+class _SavesTheReplayingThreadsMesh:
+    """A recompute context that saves the replaying thread's mesh with a public lookup (as
+    torch_remat's recompute state hooks do) before the replay: state, not forward code."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __enter__(self):
+        self.seen.append(spmd.current_mesh())
+
+    def __exit__(self, *exc):
+        self.seen.append(spmd.current_mesh())
+
+
+@pytest.mark.cpu
+def test_a_lookup_entering_the_recompute_context_is_not_forward_code(mesh):
+    seen = []
+    context_fn = lambda: (contextlib.nullcontext(), _SavesTheReplayingThreadsMesh(seen))  # noqa: E731
+    x = torch.randn(4, requires_grad=True)
+    with mesh_sanitizer():
+        with spmd.set_current_mesh(mesh):
+            loss = checkpoint(torch.sin, x, use_reentrant=False, context_fn=context_fn).sum()
+        loss.backward()  # the replayed torch.sin looks nothing up
+    assert seen == [None, None]
 
 
 @pytest.mark.cpu

@@ -15,8 +15,9 @@ modules imported meanwhile; all put back on exit):
   it raises naming the axes and types.
 * ``spmd_types.current_mesh`` / ``current_mesh_names`` / ``current_mesh_all_names`` (outside
   spmd_types' own modules): no mesh inside checkpoint recompute raises naming the caller, the
-  forward code that is about to branch on the missing mesh. Lookups from backward hooks are
-  left alone: only recompute re-runs forward code.
+  forward code that is about to branch on the missing mesh. Lookups from backward hooks, and
+  from a context entered or left around the replay (state saved and restored, e.g. torch_remat's
+  recompute state hooks), are left alone: only the replayed forward is forward code.
 
 Both raise only once a mesh has been seen while the sanitizer is active: a program that never
 had one cannot have lost it.
@@ -28,7 +29,6 @@ import contextlib
 import importlib
 import importlib.abc
 import importlib.util
-import re
 import sys
 import threading
 import types
@@ -62,28 +62,39 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# Frames of a checkpoint's recompute: torch.utils.checkpoint (non-reentrant recompute_fn, the
-# reentrant CheckpointFunction.backward), megatron's CheckpointFunction.backward, torch_remat.
-_RECOMPUTE_NAME = re.compile(r"checkpoint|recompute|remat", re.IGNORECASE)
 # Where the Python stack enters the autograd engine: frames further out called backward().
 _ENGINE_ENTRY = {("torch.autograd.graph", "_engine_run_backward"),
                  ("torch.autograd", "backward"), ("torch.autograd", "grad")}
+# A context entered or left around the replay (a recompute context, torch_remat's recompute
+# state hooks) saves and restores the replaying thread's state: its lookups are not forward code.
+_CONTEXT_EDGES = ("__enter__", "__exit__")
+
+
+def _is_recompute_machinery(module: str | None, code) -> bool:
+    """Frames that replay a checkpointed forward: torch.utils.checkpoint (non-reentrant
+    recompute_fn, reentrant CheckpointFunction.backward), torch_remat, and any reentrant
+    checkpoint Function's backward (megatron's CheckpointFunction)."""
+    if module == "torch.utils.checkpoint" or (module or "").startswith("torch_remat"):
+        return True
+    qualname = getattr(code, "co_qualname", code.co_name)
+    return code.co_name == "backward" and "checkpoint" in qualname.lower()
 
 
 def _in_recompute() -> bool:
-    """A checkpoint's recompute is on the stack between here and the autograd engine (a
-    backward hook's stack has none; on a device thread the stack starts at the engine)."""
-    frame = sys._getframe(2)
+    """The caller is forward code that a checkpoint's recompute replays: recompute machinery
+    called it (not from a context's ``__enter__`` / ``__exit__``), with no autograd engine entry
+    in between (a backward hook's stack has none; on a device thread the stack starts there)."""
+    frame, in_machinery = sys._getframe(2), False
     while frame is not None:
         code, module = frame.f_code, frame.f_globals.get("__name__")
-        if (module, code.co_name) in _ENGINE_ENTRY:
+        if (module, code.co_name) in _ENGINE_ENTRY or code.co_name in _CONTEXT_EDGES:
             return False
-        if module == "torch.utils.checkpoint" or _RECOMPUTE_NAME.search(
-            getattr(code, "co_qualname", code.co_name)
-        ):
-            return True
+        machinery = _is_recompute_machinery(module, code)
+        if in_machinery and not machinery:
+            return True  # past the machinery that called the replayed forward
+        in_machinery = machinery
         frame = frame.f_back
-    return False
+    return in_machinery
 
 
 def _axis(name) -> str:
