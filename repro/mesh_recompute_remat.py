@@ -23,7 +23,15 @@ import spmd_types as spmd
 import torch
 from torch import nn
 
-from repro.mesh_recompute import DIM, N_BLOCKS, SEED, TOKENS, Probe, TypedBlock
+from repro.mesh_recompute import (
+    DIM,
+    N_BLOCKS,
+    SANITIZED_SIGNATURES,
+    SEED,
+    TOKENS,
+    Probe,
+    TypedBlock,
+)
 from repro.registry import Repro, Signature, WrongResult
 
 AC_MODES = ("full", "save-region", "none")
@@ -136,6 +144,7 @@ REPROS = [
         summary="torch_remat.checkpoint (torchtitan #4497): replay has no mesh; it takes no "
                 "context_fn, so the fix rides its recompute_state_hooks",
         run=run, signatures=(Signature(exception="SpmdTypeError", message="requires an active mesh"),),
+        sanitized_signatures=SANITIZED_SIGNATURES,
         devices=("cpu", "cuda"), requires=("torch_remat",), upstream="torchtitan #4497, #4614",
         timeout=180.0,
     ),
