@@ -185,7 +185,9 @@ def test_matrix_rows_failures_and_merge():
     assert again.to_json() == matrix.to_json()
     replaced = matrix.merged(Matrix("later", "def", "cpu", [_result("old", cells)],
                                     {"mesh-recompute": "new words", "cuda-only": "x"}))
-    assert [c.name for c in replaced.combinations] == ["new", "broken", "old"]
+    assert [c.name for c in replaced.combinations] == ["new", "old", "broken"]  # in place
+    assert [c.name for c in replaced.ordered([_result("broken"), _result("new")]).combinations] \
+        == ["broken", "new", "old"]
     assert replaced.summaries == {"mesh-recompute": "new words", "cuda-only": "x"}
     assert replaced.cell("old", "fix-broke").status == "failed"
     with pytest.raises(ValueError, match="schema"):

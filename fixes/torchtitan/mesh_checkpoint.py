@@ -78,11 +78,14 @@ class _MeshSnapshot:
     titan: dict | None  # torchtitan's _MESH_TLS attributes, None if torchtitan is not loaded
 
     @classmethod
-    def capture(cls) -> _MeshSnapshot:
+    def capture(cls, *, verify: bool = True) -> _MeshSnapshot:
+        """``verify``: cross-check an empty stack against ``spmd_types.current_mesh()``; off
+        where that lookup itself would be a meshless lookup in recompute (a caller's state
+        saved at recompute entry)."""
         import spmd_types
 
         spmd_stack = tuple(getattr(_spmd_tls(), "mesh_stack", ()))
-        if not spmd_stack and spmd_types.current_mesh() is not None:
+        if verify and not spmd_stack and spmd_types.current_mesh() is not None:
             # Fail loudly rather than silently stop fixing anything if spmd_types moves it.
             raise RuntimeError(
                 "spmd_types reports a current mesh that is not in spmd_types._state._tls."

@@ -38,7 +38,11 @@ class MeshRecomputeStateHook:
     torchtitan) mesh stacks, ``restore`` makes a snapshot the running thread's state."""
 
     def snapshot(self) -> _MeshSnapshot:
-        return _MeshSnapshot.capture()
+        import torch_remat
+
+        # At recompute entry torch_remat saves the replaying thread's own state (often no
+        # mesh): copy it without asking spmd_types for a mesh (mesh_sanitizer would flag that).
+        return _MeshSnapshot.capture(verify=not torch_remat.is_recomputing())
 
     def restore(self, state: _MeshSnapshot) -> None:
         state.install()

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     matrix = _merge(args.merge) if args.merge else _run(args, combos, out)
     if matrix is None:
         return 2
+    matrix = matrix.ordered(for_device(matrix.device))
     write(matrix, out)
     print(render_markdown(matrix))
     bad = matrix.problems()

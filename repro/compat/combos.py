@@ -91,7 +91,10 @@ COMBINATIONS: tuple[Combination, ...] = (
     ),
     Combination(
         name="py3.11-torch2.13-spmd0.3.1-mcore0.16.1", python="3.11", torch="2.13.0",
-        packages=("spmd-types==0.3.1", "megatron-core==0.16.1", "numpy", "torch-remat==0.2.2"),
+        # triton: Megatron-LM dev's megatron.core imports it (the mHC repros); _TITAN brings it
+        # to the other combinations ("No module named 'triton'" without it)
+        packages=("spmd-types==0.3.1", "triton", "megatron-core==0.16.1", "numpy",
+                  "torch-remat==0.2.2"),
         verl="0.9.1", absent=_NO_TITAN,
     ),
     Combination(

@@ -132,10 +132,18 @@ class Matrix:
 
     def merged(self, newer: Matrix) -> Matrix:
         """This matrix with ``newer``'s combinations replacing (or joining) its own."""
-        fresh = {c.name for c in newer.combinations}
-        kept = [c for c in self.combinations if c.name not in fresh]
-        return Matrix(newer.generated, newer.commit, newer.device, kept + newer.combinations,
+        fresh = {c.name: c for c in newer.combinations}
+        have = {c.name for c in self.combinations}
+        combos = [fresh.get(c.name, c) for c in self.combinations]  # replaced in place
+        combos += [c for c in newer.combinations if c.name not in have]
+        return Matrix(newer.generated, newer.commit, newer.device, combos,
                       {**self.summaries, **newer.summaries})
+
+    def ordered(self, combinations) -> Matrix:
+        """Columns in the order of ``combinations`` (names it lacks go last)."""
+        rank = {c.name: i for i, c in enumerate(combinations)}
+        combos = sorted(self.combinations, key=lambda c: rank.get(c.name, len(rank)))
+        return Matrix(self.generated, self.commit, self.device, combos, self.summaries)
 
     def with_missing(self, combinations, reason: str) -> Matrix:
         """This matrix plus a could-not-run column for each of ``combinations`` it lacks."""
