@@ -230,8 +230,8 @@ def _drop_grad_slot(copy: torch.Tensor) -> None:
 
     The grad the backward returns is that slot's tensor; autograd is about to hand it to the
     previous layer, so its storage must not be resized now. Its only other holder is the slot
-    itself, which is exactly what leaks when a reference cycle keeps the copy alive
-    (Megatron-LM #3221). With the slot empty, the grad's memory goes by reference counting the
+    itself, which is exactly what leaks when a kept recompute graph holds the copy
+    (Megatron-LM #3221 / #5227). With the slot empty, the grad's memory goes by reference counting the
     moment autograd has consumed it - as early as verl's reclaim frees it, with nothing released
     under a reader, and no end-of-pass deferral holding the peak up.
     """
