@@ -17,8 +17,8 @@ from repro.registry import (
     SKIP_EXIT_CODE,
     SKIP_MARKER,
     Skipped,
-    discover,
     exception_report,
+    find,
 )
 
 
@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--fixed", action="store_true")
     mode.add_argument("--unfixed", action="store_true")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument("--module", help="the module declaring NAME (default: discover them all)")
     args = parser.parse_args(argv)
-    repro = discover()[args.name]
+    repro = find(args.name, args.module)
     try:
         with sanitizers_from_env():  # STACKFIX_SANITIZE=1 (python -m repro --sanitize)
             repro.run(args.fixed, args.device)

@@ -23,15 +23,10 @@ Run one side by hand: ``python -m repro.mesh_recompute_tp2 --fixed`` (or ``--unf
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
-import tempfile
 
-from repro.harness.isolated import run_loopback_ranks
-from repro.harness.ranks import raise_for_ranks, reporting_rank
-from repro.harness.sanitize import sanitizers_from_env
+from repro.harness.ranks import rank_repro_main, run_rank_workers
 from repro.registry import Repro, Signature, WrongResult
 
 WORLD, SEQ, SEED = 2, 16, 0
@@ -114,6 +109,9 @@ def worker(fixed: bool, out: str) -> None:
                     {"max_abs_diff": float(diff), "sum_abs_grad_ref": float(sums[0]),
                      "sum_abs_grad": float(sums[1]), "params": len(ref)}, f,
                 )
+        # Both ranks done with every collective before either tears gloo down: a peer that
+        # closes first can abort the other ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -121,16 +119,7 @@ def worker(fixed: bool, out: str) -> None:
 def run(fixed: bool, device: str) -> None:
     if device != "cpu":
         raise ValueError(f"mesh-recompute-tp2-silent-grad runs on CPU (gloo); got device={device!r}")
-    with tempfile.TemporaryDirectory(prefix="stackfix-tp2-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, "-m", "repro.mesh_recompute_tp2", "--worker",
-                "--fixed" if fixed else "--unfixed", "--out", out]
-        ranks = run_loopback_ranks(argv, WORLD, timeout=_TIMEOUT - 20, env={"OMP_NUM_THREADS": "1"})
-        for rank in ranks:
-            sys.stderr.write(rank.stderr)
-        raise_for_ranks(ranks)
-        with open(out) as f:
-            result = json.load(f)
+    result = run_rank_workers("repro.mesh_recompute_tp2", fixed, WORLD, timeout=_TIMEOUT - 20)
     print("TP2-GRADS " + json.dumps(result), flush=True)
     if result["max_abs_diff"] != 0.0:
         raise WrongResult(
@@ -160,19 +149,7 @@ REPROS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.mesh_recompute_tp2")
-    side = parser.add_mutually_exclusive_group(required=True)
-    side.add_argument("--fixed", action="store_true")
-    side.add_argument("--unfixed", action="store_true")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        with reporting_rank(), sanitizers_from_env():
-            worker(args.fixed, args.out)
-    else:
-        run(args.fixed, "cpu")
-    return 0
+    return rank_repro_main("python -m repro.mesh_recompute_tp2", argv, run, worker)
 
 
 if __name__ == "__main__":

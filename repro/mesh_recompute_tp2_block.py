@@ -31,20 +31,16 @@ than two GPUs. ``python -m repro.mesh_recompute_tp2_block --fixed --device cuda`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repro.harness.isolated import run_loopback_ranks
-from repro.harness.ranks import raise_for_ranks, reporting_rank
-from repro.harness.sanitize import sanitizers_from_env
+from repro.harness.ranks import rank_repro_main, run_rank_workers
 from repro.registry import Repro, Signature, Skipped, WrongResult
 
 WORLD, DIM, HIDDEN, TOKENS, SEED = 2, 32, 64, 8, 0
@@ -164,6 +160,9 @@ def worker(fixed: bool, device: str, out: str) -> None:
                            "redistributions": dict(REDISTRIBUTIONS),
                            "sum_abs_grad_ref": sum(float(v.abs().sum()) for v in reference.values()),
                            "sum_abs_grad": sum(float(v.abs().sum()) for v in got.values())}, f)
+        # Both ranks done with every collective before either tears gloo down: a peer that
+        # closes first can abort the other ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -172,16 +171,8 @@ def run(fixed: bool, device: str) -> None:
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         raise Skipped(f"needs {WORLD} GPUs (one NCCL rank each); "
                       f"torch.cuda.device_count() is {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory(prefix="stackfix-tp2-block-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, "-m", "repro.mesh_recompute_tp2_block", "--worker",
-                "--fixed" if fixed else "--unfixed", "--device", device, "--out", out]
-        ranks = run_loopback_ranks(argv, WORLD, timeout=_TIMEOUT - 20, env={"OMP_NUM_THREADS": "1"})
-        for rank in ranks:
-            sys.stderr.write(rank.stderr)
-        raise_for_ranks(ranks)
-        with open(out) as f:
-            result = json.load(f)
+    result = run_rank_workers("repro.mesh_recompute_tp2_block", fixed, WORLD,
+                              timeout=_TIMEOUT - 20, extra_args=("--device", device))
     print("TP2-BLOCK " + json.dumps(result), flush=True)
     counts = result["redistributions"]
     skipped, ran = counts.get("recompute-skipped", 0), counts.get("recompute-run", 0)
@@ -217,20 +208,8 @@ REPROS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m repro.mesh_recompute_tp2_block")
-    side = parser.add_mutually_exclusive_group(required=True)
-    side.add_argument("--fixed", action="store_true")
-    side.add_argument("--unfixed", action="store_true")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        with reporting_rank(), sanitizers_from_env():
-            worker(args.fixed, args.device, args.out)
-    else:
-        run(args.fixed, args.device)
-    return 0
+    return rank_repro_main("python -m repro.mesh_recompute_tp2_block", argv, run, worker,
+                           devices=("cpu", "cuda"))
 
 
 if __name__ == "__main__":

@@ -174,4 +174,20 @@ def discover() -> dict[str, Repro]:
             if r.name in found:
                 raise ValueError(f"repro name {r.name!r} declared twice")
             found[r.name] = r
+            DECLARED_IN[r.name] = module.__name__
     return found
+
+
+# repro name -> the module that declares it (filled by ``discover``): a child imports only that.
+DECLARED_IN: dict[str, str] = {}
+
+
+def find(name: str, module: str | None = None) -> Repro:
+    """The repro ``name``; from ``module`` alone when given (a child need not import every repro
+    module and what each imports), else from ``discover()``."""
+    if module is not None:
+        for r in getattr(importlib.import_module(module), "REPROS", ()):
+            if r.name == name:
+                return r
+        raise KeyError(f"{module} declares no repro {name!r}")
+    return discover()[name]

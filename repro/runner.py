@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from repro.harness.isolated import IsolatedResult, run_isolated
 from repro.harness.sanitize import ENV as SANITIZE_ENV
-from repro.registry import SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
+from repro.registry import DECLARED_IN, SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
 
 # Path statuses. Only these two are good; "skipped" never is.
 GOOD_UNFIXED, GOOD_FIXED = "reproduced", "passed"
@@ -51,8 +51,11 @@ def run_path(repro: Repro, fixed: bool, device: str, sanitized: bool = False) ->
     """The raw child result of one path (tests assert on it directly); ``sanitized`` runs it
     (and the ranks it starts) under fixes.sanitize's sanitizers."""
     mode = "--fixed" if fixed else "--unfixed"
+    declared = DECLARED_IN.get(repro.name)
+    where = ["--module", declared] if declared else []
     return run_isolated(
-        module="repro.child", args=[repro.name, mode, "--device", device], timeout=repro.timeout,
+        module="repro.child", args=[repro.name, mode, "--device", device, *where],
+        timeout=repro.timeout,
         env={SANITIZE_ENV: "1" if sanitized else "0"},
     )
 
