@@ -22,48 +22,37 @@ CASES = [
 SANITIZED = [case for case in CASES if case.values[0].sanitized_signatures]
 
 
-def _skip_if_missing(repro):
+def _check_path(repro, device, fixed: bool, sanitized: bool = False) -> None:
+    """Run one path in a child and assert its contract: the unfixed path reproduces one of its
+    (sanitized) signatures, the fixed path passes. Skips with the reason when it cannot run."""
     missing = repro.missing_requirements()
     if missing:
         pytest.skip(f"{repro.name} needs {', '.join(missing)} (not installed)")
-
-
-def _skip_if_child_skipped(outcome):
+    result = run_path(repro, fixed=fixed, device=device, sanitized=sanitized)
+    if fixed:
+        outcome, expected = judge_fixed(result), "passed"
+    else:
+        outcome, expected = judge_unfixed(repro, result, device, sanitized=sanitized), "reproduced"
     if outcome.status == "skipped":  # the child raised repro.Skipped: it could not run here
         pytest.skip(outcome.detail)
+    assert outcome.status == expected, f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
 
 
 @pytest.mark.parametrize("repro,device", CASES)
 def test_unfixed_path_reproduces_the_crash(repro, device):
-    _skip_if_missing(repro)
-    result = run_path(repro, fixed=False, device=device)
-    outcome = judge_unfixed(repro, result, device)
-    _skip_if_child_skipped(outcome)
-    assert outcome.status == "reproduced", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+    _check_path(repro, device, fixed=False)
 
 
 @pytest.mark.parametrize("repro,device", CASES)
 def test_fixed_path_passes(repro, device):
-    _skip_if_missing(repro)
-    result = run_path(repro, fixed=True, device=device)
-    outcome = judge_fixed(result)
-    _skip_if_child_skipped(outcome)
-    assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+    _check_path(repro, device, fixed=True)
 
 
 @pytest.mark.parametrize("repro,device", SANITIZED)
 def test_unfixed_path_under_the_sanitizers_names_the_fault(repro, device):
-    _skip_if_missing(repro)
-    result = run_path(repro, fixed=False, device=device, sanitized=True)
-    outcome = judge_unfixed(repro, result, device, sanitized=True)
-    _skip_if_child_skipped(outcome)
-    assert outcome.status == "reproduced", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+    _check_path(repro, device, fixed=False, sanitized=True)
 
 
 @pytest.mark.parametrize("repro,device", SANITIZED)
 def test_fixed_path_passes_under_the_sanitizers(repro, device):
-    _skip_if_missing(repro)
-    result = run_path(repro, fixed=True, device=device, sanitized=True)
-    outcome = judge_fixed(result)
-    _skip_if_child_skipped(outcome)
-    assert outcome.status == "passed", f"{outcome.detail}\n--- stderr ---\n{result.stderr[-4000:]}"
+    _check_path(repro, device, fixed=True, sanitized=True)
