@@ -10,31 +10,11 @@
 # Usage: bash ci/gpu_offline.sh [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-WHEELS=${WHEELS:-.whl}
 EVIDENCE=${EVIDENCE:-gpu-evidence}
-SITE=${SITE:-/tmp/stackfix-site}
 GPU_WORKERS=${GPU_WORKERS:-4}
 mkdir -p "$EVIDENCE"
-
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if compgen -G "$WHEELS/verl/verl-*.whl" >/dev/null; then
-  export STACKFIX_VERL_ROOT=${STACKFIX_VERL_ROOT:-/tmp/stackfix-verl}
-  for whl in "$WHEELS"/verl/verl-*.whl; do
-    version=$(basename "$whl" | cut -d- -f2)
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-      --target "$STACKFIX_VERL_ROOT/$version" "$whl" || exit 1
-  done
-fi
-if [ -d .megatron-lm/megatron ]; then
-  export STACKFIX_MEGATRON_LM=${STACKFIX_MEGATRON_LM:-$PWD/.megatron-lm}
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=ci/gpu_env.sh
+. ci/gpu_env.sh || exit 1
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

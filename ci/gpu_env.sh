@@ -1,0 +1,29 @@
+# shellcheck shell=bash
+# Sourced (". ci/gpu_env.sh") on a CUDA machine without network, from the repository root: installs
+# the wheels carried in $WHEELS (default ./.whl) into a private target ($SITE) so the image's own
+# CUDA torch stays as it is, verl releases carried in $WHEELS/verl under $STACKFIX_VERL_ROOT (the
+# layout of `python -m repro.verl_release install`), and points STACKFIX_MEGATRON_LM at a
+# Megatron-LM dev tree in ./.megatron-lm when one is there. ci/gpu_offline.sh and one-off GPU
+# batches (python -m benchmarks.megatron_scale ...) both start from it.
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/stackfix-site}
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$WHEELS"/*.whl || return 1
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if compgen -G "$WHEELS/verl/verl-*.whl" >/dev/null; then
+  export STACKFIX_VERL_ROOT=${STACKFIX_VERL_ROOT:-/tmp/stackfix-verl}
+  for whl in "$WHEELS"/verl/verl-*.whl; do
+    version=$(basename "$whl" | cut -d- -f2)
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+      --target "$STACKFIX_VERL_ROOT/$version" "$whl" || return 1
+  done
+fi
+if [ -d .megatron-lm/megatron ]; then
+  export STACKFIX_MEGATRON_LM=${STACKFIX_MEGATRON_LM:-$PWD/.megatron-lm}
+fi
+export PYTHONUNBUFFERED=1
