@@ -18,10 +18,31 @@ recompute of 1 layer, batch 1; fp32, or bf16 through megatron's ``Float16Module`
 Strategies: ``none``, ``verl-0.8.0`` and ``verl-0.9.1`` (verl's released reclaims, installed by
 ``repro.shared_view_reclaim.install_reclaim``), ``ours`` (``fixes.megatron``). Each
 (strategy, model) runs in its own child interpreter (one verl per process), every size and
-dtype in it: warm-up step, then ``gc`` off, peak / retained bytes of one step, then the median
-of ``--steps`` timed steps.
+dtype in it: build, warm-up step, then ``gc`` off, the bytes of one measured step, then the
+median of ``--steps`` timed steps.
+
+Figures are absolute: bytes above what the built model holds (parameters, buffers, the batch),
+never deltas across one step. The #3221 leak is state that one step leaves and the next step's
+forward replaces (a dispatcher attribute set again by the next forward lets the old recompute
+graph go), so in steady state a step retains nothing *more* than the step before it: measured
+as a delta it is invisible, and it lowers the no-reclaim run's peak-over-its-start, which is
+how an earlier version of this tool reported every reclaim as costing +6% peak. So:
+
+- ``peak_bytes``: the highest the measured step goes, above the built model;
+- ``retained_bytes``: live after the step, above the built model and the parameters' grads --
+  the leak (0 for a model that keeps nothing between steps);
+- ``requested_peak_bytes`` (CUDA): ``peak_bytes`` in the bytes tensors asked for (no allocator
+  rounding);
+- ``step_ms``: median step time; ``none_step_ms``: the median of no reclaim, timed in the same
+  child interleaved step by step with it; ``step_time_ratio``: the median of the step-by-step
+  ratios (the step-time cost of the reclaim).
+
+CUDA figures come from the caching allocator's statistics; CPU figures from
+``torch.distributed._tools.mem_tracker.MemTracker`` (every storage since the build; reclaims'
+``resize_(0)`` included).
 
     python -m benchmarks.megatron_scale --device cuda --out results.json
+    python -m benchmarks.megatron_scale --device cpu --sizes 256x512 --dtypes fp32
 """
 
 from __future__ import annotations
@@ -32,6 +53,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
@@ -52,18 +75,22 @@ class Cell:
     hidden: int
     seq: int
     dtype: str
+    device: str = "cuda"
+    model_bytes: int = 0  # the built model and batch: what the figures below are above
     peak_bytes: int = 0
     # what tensors asked for at the peak (no allocator rounding): tells a real difference in
     # live tensors from the caching allocator's block sizes
     requested_peak_bytes: int = 0
-    retained_bytes: int = 0  # live after the step beyond what was live before it (grads too)
-    step_ms: float = 0.0
+    retained_bytes: int = 0  # live after the step beyond the model and the grads: the leak
+    step_ms: float = 0.0  # median over --steps steps
+    none_step_ms: float = 0.0  # no reclaim, timed interleaved with step_ms in the same process
+    step_time_ratio: float = 0.0  # median of (this step / the adjacent no-reclaim step)
     events: dict | None = None  # reclaim decisions of the measured step, by action
     peak_sites: list | None = None  # with --trace: the allocation sites live at the peak
     error: str | None = None
 
 
-def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str):
+def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, device: str):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -80,6 +107,7 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str):
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=device == "cpu",
         **(dict(num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
                 moe_aux_loss_coeff=0.0) if moe else dict(mtp_num_layers=1)),
     )
@@ -88,7 +116,7 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str):
                                                                        use_transformer_engine=False))
     torch.manual_seed(0)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=32000,
-                   max_sequence_length=seq, **kwargs).cuda()
+                   max_sequence_length=seq, **kwargs).to(device)
     if model == "moe-kept-probs":
         _keep_routing_probs(gpt)
     if bf16:
@@ -153,80 +181,203 @@ def peak_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
     return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
 
 
-def _measure(cell: Cell, steps: int, trace: bool = False) -> None:
+class _CudaMeter:
+    """The caching allocator's statistics (bytes of live tensors, rounded to its blocks)."""
+
+    def __init__(self, trace: bool):
+        import torch
+
+        self.torch, self.trace = torch, trace
+        if trace:  # from before the build: every live block at the peak gets its site
+            torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
+
+    def current(self) -> int:
+        return self.torch.cuda.memory_allocated()
+
+    def requested(self, kind: str) -> int:
+        return self.torch.cuda.memory_stats().get(f"requested_bytes.all.{kind}", 0)
+
+    @contextmanager
+    def build(self):
+        yield
+
+    @contextmanager
+    def measured(self):
+        torch = self.torch
+        torch.cuda.synchronize()
+        if self.trace:  # the marker: the replay's window opens here
+            torch.empty(_MARK_BYTES, dtype=torch.uint8, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        torch.cuda.synchronize()
+
+    def peak(self) -> int:
+        return self.torch.cuda.max_memory_allocated()
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def sites(self) -> list | None:
+        if not self.trace:
+            return None
+        sites = peak_sites(self.torch.cuda.memory._snapshot())
+        self.torch.cuda.memory._record_memory_history(enabled=None)
+        return sites
+
+
+class _CpuMeter:
+    """MemTracker: exact bytes of every storage created since the build (it patches
+    ``UntypedStorage.resize_`` while active, so a reclaim's ``resize_(0)`` counts). Entering it
+    again restarts its peak at the current total; what it tracked stays tracked."""
+
+    def __init__(self, trace: bool):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if trace:
+            raise SystemExit("error: --trace needs --device cuda (the CUDA allocator's history)")
+        self.tracker = MemTracker()
+
+    def _total(self, kind: str) -> int:
+        import torch
+
+        snap = self.tracker.get_tracker_snapshot(kind)
+        return int(snap.get(torch.device("cpu"), {}).get("Total", 0))
+
+    def current(self) -> int:
+        return self._total("current")
+
+    def requested(self, kind: str) -> int:
+        return 0  # no allocator rounding on CPU: requested_peak_bytes stays 0
+
+    def build(self):
+        return self.tracker
+
+    @contextmanager
+    def measured(self):
+        self.tracker.reset_mod_stats()  # per-module stats are per iteration; totals are kept
+        with self.tracker:
+            yield
+
+    def peak(self) -> int:
+        return self._total("peak")
+
+    def sync(self) -> None:
+        pass
+
+    def sites(self) -> None:
+        return None
+
+
+def _measure(cell: Cell, steps: int, device: str, trace: bool = False,
+             install: Callable[[str], None] | None = None) -> None:
     import torch
 
     from fixes.megatron import recompute_reclaim_events
 
-    if trace:  # from before the build: every live block at the peak gets its site
-        torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
-    gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype)
-    ids = torch.randint(0, 32000, (1, cell.seq), device="cuda")
-    pos = torch.arange(cell.seq, device="cuda").unsqueeze(0)
-    mask = torch.ones(1, 1, cell.seq, cell.seq, dtype=torch.bool, device="cuda").tril().logical_not()
-    labels = torch.randint(0, 32000, (1, cell.seq), device="cuda")
+    meter = _CudaMeter(trace) if device == "cuda" else _CpuMeter(trace)
+    with meter.build():
+        gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype, device)
+        ids = torch.randint(0, 32000, (1, cell.seq), device=device)
+        pos = torch.arange(cell.seq, device=device).unsqueeze(0)
+        mask = torch.ones(1, 1, cell.seq, cell.seq, dtype=torch.bool,
+                          device=device).tril().logical_not()
+        labels = torch.randint(0, 32000, (1, cell.seq), device=device)
+        meter.sync()
+        model_bytes = cell.model_bytes = meter.current()
+        requested_model = meter.requested("current")
 
-    def step():
-        gpt.zero_grad(set_to_none=True)
-        gpt(ids, pos, mask, labels=labels).float().sum().backward()
+        def step():
+            gpt.zero_grad(set_to_none=True)
+            gpt(ids, pos, mask, labels=labels).float().sum().backward()
 
-    step()  # warm-up: allocator, lazy state, grads allocated once
-    torch.cuda.synchronize()
+        step()  # warm-up: allocator, lazy state, the leak a step leaves for the next
+    meter.sync()
     gc.collect()
-    gc.disable()
+    gc.disable()  # the worst case for a leak that is a reference cycle: no collection mid-step
     try:
-        if trace:  # the marker: the replay's window opens here
-            torch.empty(_MARK_BYTES, dtype=torch.uint8, device="cuda")
-        base = torch.cuda.memory_allocated()
-        requested_base = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
-        torch.cuda.reset_peak_memory_stats()
-        with recompute_reclaim_events() as events:
+        with meter.measured(), recompute_reclaim_events() as events:
             step()
-        torch.cuda.synchronize()
-        if trace:
-            cell.peak_sites = peak_sites(torch.cuda.memory._snapshot())
-            torch.cuda.memory._record_memory_history(enabled=None)
-        cell.peak_bytes = torch.cuda.max_memory_allocated() - base
-        cell.requested_peak_bytes = (
-            torch.cuda.memory_stats().get("requested_bytes.all.peak", 0) - requested_base)
-        cell.retained_bytes = torch.cuda.memory_allocated() - base
+        cell.peak_sites = meter.sites()
+        grads = sum(p.grad.untyped_storage().nbytes() for p in gpt.parameters()
+                    if p.grad is not None)
+        cell.peak_bytes = meter.peak() - model_bytes
+        cell.requested_peak_bytes = max(meter.requested("peak") - requested_model, 0)
+        cell.retained_bytes = meter.current() - model_bytes - grads
         cell.events = {}
         for e in events:
             key = f"{e.role}:{e.action}"
             cell.events[key] = cell.events.get(key, 0) + 1
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        cell.step_ms = statistics.median(times)
+        # Step time, interleaved with no reclaim in this process (same model, same GPU state,
+        # same moment): separate processes' medians differed by up to 15% from run to run.
+        own = [cell.strategy] if install is None or cell.strategy == "none" else [cell.strategy, "none"]
+        times: dict[str, list[float]] = {name: [] for name in own}
+        for i in range(steps):
+            for name in own if i % 2 == 0 else own[::-1]:
+                if len(own) > 1:
+                    install(name)
+                meter.sync()
+                t = time.perf_counter()
+                step()
+                meter.sync()
+                times[name].append((time.perf_counter() - t) * 1e3)
+        if len(own) > 1:
+            install(cell.strategy)
+        mine = times[cell.strategy]
+        nones = times.get("none", mine)
+        cell.step_ms = statistics.median(mine)
+        cell.none_step_ms = statistics.median(nones)
+        # the median of step-by-step ratios: a clock or load drift over the run cancels out
+        cell.step_time_ratio = statistics.median(a / b for a, b in zip(mine, nones, strict=True))
     finally:
         gc.enable()
 
 
 def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dtypes,
-              trace: bool = False) -> list[Cell]:
+              device: str = "cuda", trace: bool = False) -> list[Cell]:
     """Inside the child: one strategy and model, every size and dtype."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from repro.shared_view_reclaim import install_reclaim, setup_megatron
 
-    setup_megatron("cuda")
-    install_reclaim(_INSTALL[strategy], CheckpointFunction)
+    setup_megatron(device)
+    if device == "cpu":
+        from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+
+        install_megatron_cpu_moe_shim()  # megatron's MoE router asks CUDA for its device
+    def install(name: str) -> None:
+        install_reclaim(_INSTALL[name], CheckpointFunction)
+
+    install(strategy)
     cells = []
     for hidden, seq in sizes:
         for dtype in dtypes:
             cell = Cell(model, strategy, dispatcher if model.startswith("moe") else "-",
-                        hidden, seq, dtype)
+                        hidden, seq, dtype, device)
             try:
-                _measure(cell, steps, trace)
+                _measure(cell, steps, device, trace, install)
                 gc.collect()  # the model of this cell goes before the next is built
             except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
                 cell.error = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             cells.append(cell)
     return cells
+
+
+def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps: int,
+                   dispatcher: str = "allgather", trace: bool = False) -> list[dict]:
+    """``run_child`` in a fresh interpreter (one verl release per process): its cells as dicts,
+    or one cell with ``error`` (no ``hidden``) saying why the child produced none."""
+    from repro.harness.isolated import run_isolated
+
+    size_arg = ",".join(f"{h}x{s}" for h, s in sizes)
+    res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=[
+        "--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
+        "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
+        *(["--trace"] if trace else [])])
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("CELLS ")]
+    if line:
+        return json.loads(line[-1][len("CELLS "):])
+    tail = (res.stderr.strip().splitlines() or [""])[-1]
+    return [{"model": model, "strategy": strategy, "error": f"{res.describe()}: {tail[:400]}"}]
 
 
 def _choices(value: str, allowed, what: str) -> list[str]:
@@ -240,6 +391,7 @@ def _choices(value: str, allowed, what: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.megatron_scale",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--dtypes", default=",".join(DTYPES))
@@ -260,32 +412,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         raise SystemExit(f"error: --sizes {args.sizes!r}: expected e.g. 1024x2048,2048x4096") from None
     if args.child:
-        cells = run_child(*args.child, args.dispatcher, args.steps, sizes, dtypes, args.trace)
+        cells = run_child(*args.child, args.dispatcher, args.steps, sizes, dtypes, args.device,
+                          args.trace)
         print("CELLS " + json.dumps([asdict(c) for c in cells]), flush=True)
         return 0
-
-    from repro.harness.isolated import run_isolated
 
     cells: list[dict] = []
     for model in models:
         for strategy in strategies:
-            res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=[
-                "--child", model, strategy, "--dispatcher", args.dispatcher, "--steps",
-                str(args.steps), "--sizes", args.sizes, "--dtypes", ",".join(dtypes),
-                *(["--trace"] if args.trace else [])])
-            line = [ln for ln in res.stdout.splitlines() if ln.startswith("CELLS ")]
-            if not line:
-                tail = (res.stderr.strip().splitlines() or [""])[-1]
-                cells.append({"model": model, "strategy": strategy,
-                              "error": f"{res.describe()}: {tail[:400]}"})
-            else:
-                cells.extend(json.loads(line[-1][len("CELLS "):]))
-            print(_row(cells[-1]) if line else f"{model} {strategy}: {cells[-1]['error']}",
+            got = cells_in_child(model, strategy, args.device, sizes, dtypes, args.steps,
+                                 args.dispatcher, args.trace)
+            cells.extend(got)
+            done = "hidden" in got[-1]
+            print(_row(got[-1]) if done else f"{model} {strategy}: {got[-1]['error']}",
                   file=sys.stderr, flush=True)
+            if args.out:  # after every child: a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(cells, f, indent=2)
     print(table(cells))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(cells, f, indent=2)
     return 1 if any(c.get("error") for c in cells) else 0
 
 
@@ -310,7 +454,7 @@ def table(cells: list[dict]) -> str:
             continue
         r = ref.get((c["model"], c["dispatcher"], c["hidden"], c["seq"], c["dtype"]))
         pk = f"{c['peak_bytes'] / r['peak_bytes']:.4f}" if r and r["peak_bytes"] else "-"
-        st = f"{c['step_ms'] / r['step_ms']:.3f}" if r and r["step_ms"] else "-"
+        st = f"{c['step_time_ratio']:.3f}" if c.get("step_time_ratio") else "-"
         lines.append(
             f"{c['model']:15} {c['dispatcher']:9} {c['hidden']}x{c['seq']:<5} {c['dtype']:5} "
             f"{c['strategy']:12} {c['peak_bytes'] / MIB:8.1f}  {pk:6}  "

@@ -280,7 +280,7 @@ def run_torch(fixed: bool, device: str) -> None:
 
 
 def setup_megatron(device: str, seed: int = 1234) -> None:
-    """World size 1: the CPU RNG and stream shims on CPU; on CUDA the real thing —
+    """World size 1: the CPU RNG, memory-buffer and stream shims on CPU; on CUDA the real thing —
     ``initialize_model_parallel()`` and ``model_parallel_cuda_manual_seed``."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -288,10 +288,12 @@ def setup_megatron(device: str, seed: int = 1234) -> None:
     if device == "cpu":
         from repro.harness.megatron_cpu import (
             install_cpu_stream_shim,
+            install_megatron_cpu_memory_buffer_shim,
             install_megatron_cpu_rng_shim,
         )
 
         install_megatron_cpu_rng_shim(force=True)
+        install_megatron_cpu_memory_buffer_shim(force=True)  # the local spec's attention scratch
         install_cpu_stream_shim(force=True)  # for verl's reclaim
         backend = "gloo"
     else:

@@ -28,6 +28,16 @@ nothing. verl's ``resize_(0)`` — the behaviour under test — runs as released
    ``torch.cuda.nvtx.range(...)`` unconditionally; a CPU-only torch build ships a stub there that
    raises "NVTX functions not installed". The shim makes those calls no-ops (what NVTX is without
    a profiler attached); nothing of megatron is touched.
+
+5. megatron-core's MoE router on CPU (``install_megatron_cpu_moe_shim``): ``TopKRouter.gating``
+   moves a CPU router weight to ``torch.cuda.current_device()`` and the router allocates its
+   aux-loss scalars there (0.16.1 and 0.19.2); on a CPU-only torch build that call raises, and
+   the shim makes it name the CPU. And megatron-core 0.16.1's ``RouterGatingLinearFunction``
+   reads the module global ``te_general_gemm``, which is only bound when Transformer Engine
+   imports (NameError without it, on any device); the shim binds it to ``None``, the value its
+   own fallback test (``te_general_gemm is not None``) expects. Only where those calls would
+   fail, and only in the processes that ask for it (the CPU cells of
+   ``benchmarks.megatron_scale``).
 """
 
 from __future__ import annotations
@@ -89,6 +99,27 @@ def install_megatron_cpu_memory_buffer_shim(force: bool = False) -> bool:
 
     get_tensor.__stackfix_cpu_shim__ = True
     GlobalMemoryBuffer.get_tensor = get_tensor
+    return True
+
+
+def install_megatron_cpu_moe_shim() -> bool:
+    """On a CPU-only torch build, ``torch.cuda.current_device()`` returns ``"cpu"`` instead of
+    raising, and megatron's MoE utilities get ``te_general_gemm = None`` where Transformer
+    Engine did not bind it. Returns True if installed now or before, False where CUDA exists."""
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if getattr(torch.cuda.current_device, "__stackfix_cpu_shim__", False):
+        return True
+
+    def current_device() -> str:
+        return "cpu"
+
+    current_device.__stackfix_cpu_shim__ = True
+    torch.cuda.current_device = current_device
     return True
 
 
