@@ -5,7 +5,9 @@
 Each file is one run (pytest-benchmark JSON, e.g. one per commit). Runs are ordered by their
 timestamp; the newest is "latest". Per device kind and scenario the page shows every figure
 twice: the strategies side by side in the latest run (bars), and each strategy's history over
-the runs (lines). A strategy that other variants of a scenario run but this one does not
+the runs (lines). The table of the latest figures gives, per strategy, each figure's change
+against the previous run of that device kind and against the committed baseline
+(``benchmarks/baselines/<kind>.json``, the gate's; ``--baselines DIR`` for another folder). A strategy that other variants of a scenario run but this one does not
 (``unsafe`` reclaim on the chunked input: it crashes) shows as n/a. Inline SVG and CSS only: no script, no network, no plotting library.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from benchmarks import _svg
 from benchmarks._format import fmt
 from benchmarks._results import ResultsError, Run, load_run, unit_of
+from benchmarks.gate import BASELINE_DIR
 
 # Figures in the order a reader wants them; any other figure follows, sorted.
 METRIC_ORDER = ("peak_bytes", "after_forward_bytes", "end_of_backward_bytes", "recompute_flops",
@@ -76,7 +79,16 @@ def _strategy_colours(runs: list[Run]) -> dict[str, str]:
     return {s: _svg.PALETTE[i % len(_svg.PALETTE)] for i, s in enumerate(order)}
 
 
-def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str]) -> str:
+def _delta(now, then) -> str:
+    if now is None or then is None:
+        return "-"
+    if then == 0:
+        return "0" if now == 0 else "new"
+    return f"{(now - then) / abs(then):+.2%}"
+
+
+def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str],
+             baseline: Run | None = None) -> str:
     # History and "latest" per device kind: a newer GPU run must not blank the CPU sections.
     runs = [run for run in runs if any(row.device_kind == kind for row in run.rows)]
     latest = runs[-1]
@@ -102,10 +114,21 @@ def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str])
     # the latest figures as a table
     out.append('<table><tr><th>strategy</th>' + "".join(
         f"<th>{escape(m)}</th>" for m in metrics) + '</tr>')
+    # The previous run of this kind that has the row, and the baseline's row: the deltas.
+    previous = rows_by_run[-2] if len(rows_by_run) > 1 else {}
+    base_rows = ({} if baseline is None else
+                 {r.strategy: r for r in baseline.rows if (r.device_kind, r.scenario) == (kind, scenario)})
     for s in strategies:
         row = latest_rows.get(s)
-        cells = "".join(f"<td>{escape(fmt(m, row.metrics.get(m)) if row else 'n/a')}</td>" for m in metrics)
-        out.append(f"<tr><td>{escape(s)}</td>{cells}</tr>")
+        cells = []
+        for m in metrics:
+            now = row.metrics.get(m) if row else None
+            prev = previous[s].metrics.get(m) if s in previous else None
+            base = base_rows[s].metrics.get(m) if s in base_rows else None
+            cells.append(f"<td>{escape(fmt(m, now) if row else 'n/a')}<br><span class=\"note\">"
+                         f"prev {escape(_delta(now, prev))} · base {escape(_delta(now, base))}"
+                         f"</span></td>")
+        out.append(f"<tr><td>{escape(s)}</td>{''.join(cells)}</tr>")
     out.append("</table>")
     labels = [run.label for run in runs]
     for metric in metrics:
@@ -128,8 +151,10 @@ def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str])
     return "\n".join(out)
 
 
-def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks") -> str:
-    """The dashboard page for ``runs`` (any order)."""
+def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
+           baselines: dict[str, Run] | None = None) -> str:
+    """The dashboard page for ``runs`` (any order); ``baselines``: device kind -> baseline run."""
+    baselines = baselines or {}
     if not runs:
         raise ValueError("render needs at least one run")
     runs = _sorted_runs(runs)
@@ -147,8 +172,10 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks") -
     head = (f'<h1>{escape(title)}</h1><p class="meta">{len(runs)} run(s), latest '
             f'<b>{escape(latest.label)}</b> ({escape(latest.datetime or "no timestamp")}); '
             f'generated {generated}. Bytes: MemTracker on CPU, CUDA max_memory_allocated on GPU; '
-            f'smaller is better everywhere.</p><p class="meta">{toc}</p>')
-    body = "\n".join(_section(k, s, runs, colours) for k, s in groups)
+            f'smaller is better everywhere. Under each latest figure: its change against the previous '
+            f'run ("prev") and the baseline ("base": {escape(", ".join(sorted(baselines)) or "none")}).'
+            f'</p><p class="meta">{toc}</p>')
+    body = "\n".join(_section(k, s, runs, colours, baselines.get(k)) for k, s in groups)
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
             f'<style>{CSS}</style></head><body>{head}\n{body}</body></html>\n')
 
@@ -159,13 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="pytest-benchmark JSON files, one per run")
     parser.add_argument("-o", "--output", required=True, help="HTML file to write")
     parser.add_argument("--title", default="stackfix peak-memory benchmarks")
+    parser.add_argument("--baselines", type=Path, default=BASELINE_DIR,
+                        help="folder of <device_kind>.json baselines (default: the gate's)")
     args = parser.parse_args(argv)
     try:
         runs = [load_run(p) for p in args.results]
+        kinds = {k for run in runs for k in run.device_kinds}
+        baselines = {k: load_run(args.baselines / f"{k}.json") for k in sorted(kinds)
+                     if (args.baselines / f"{k}.json").is_file()}
     except ResultsError as e:
         print(f"dashboard: {e}", file=sys.stderr)
         return 2
-    Path(args.output).write_text(render(runs, title=args.title))
+    Path(args.output).write_text(render(runs, title=args.title, baselines=baselines))
     print(f"dashboard: {len(runs)} run(s) -> {args.output}")
     return 0
 

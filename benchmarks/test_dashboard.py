@@ -113,5 +113,32 @@ def test_a_strategy_of_the_scenario_family_missing_in_a_variant_is_na():
                                  bench("reclaim/plain", "ours", peak_bytes=30 * MiB),
                                  bench("reclaim/chunked", "ours", peak_bytes=31 * MiB))])
     chunked = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
-    assert "<tr><td>unsafe</td><td>n/a</td></tr>" in chunked
+    assert "<tr><td>unsafe</td><td>n/a<br>" in chunked
     assert ">n/a</text>" in chunked.split("<svg")[1]
+
+
+def test_latest_figures_show_their_change_against_previous_run_and_baseline():
+    base = run("0000000000", "2026-10-01T00:00:00",
+               bench("reclaim/chunked", "ours", peak_bytes=40 * MiB),
+               bench("reclaim/chunked", "none", peak_bytes=40 * MiB))
+    html = dashboard.render([OLD, NEW], baselines={"cpu": base})
+    table = html[html.index('id="cpu-reclaim-chunked"'):html.index("</table>")]
+    rows = {r.split("</td>")[0]: r for r in table.split("<tr><td>")[1:]}
+    # ours: 32 MiB now, 33 MiB in the previous run, 40 MiB in the baseline
+    assert "prev -3.03% · base -20.00%" in rows["ours"]
+    assert "prev +0.00% · base +0.00%" in rows["none"]
+    # unsafe is not in the latest run: n/a, no delta to show
+    assert "n/a" in rows["unsafe"] and "prev - · base -" in rows["unsafe"]
+
+
+def test_cli_compares_with_the_baseline_of_each_device_kind(tmp_path):
+    base_dir = tmp_path / "baselines"
+    base_dir.mkdir()
+    (base_dir / "cpu.json").write_text(json.dumps({"benchmarks": [
+        bench("reclaim/chunked", "ours", peak_bytes=16 * MiB)], "datetime": "2026-10-01T00:00:00"}))
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"benchmarks": [bench("reclaim/chunked", "ours",
+                                                       peak_bytes=32 * MiB)]}))
+    out = tmp_path / "d.html"
+    assert dashboard.main([str(result), "-o", str(out), "--baselines", str(base_dir)]) == 0
+    assert "base +100.00%" in out.read_text()
