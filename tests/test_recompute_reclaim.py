@@ -320,17 +320,20 @@ def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
     )
 
 
-# Open finding (H200, 2026-11-30): under compute-sanitizer the fixed path's decision differs from
-# the plain run's. At the reclaim, Python frames of the measured step (the checkpoint's forward
-# and recompute, torch's dynamo-disable wrapper) are still referenced, so the detached input has
-# Python holders, and the alias-aware reclaim -- which never frees what something reachable
-# holds -- keeps it: events "input:deferred input:kept" (plain run: "input:deferred grad:dropped
-# input:released-deferred"), also after a warm-up step. Memcheck's "0 errors" then covers no
-# release. Strict: when the holder is found and the decision made independent of the sanitizer,
-# this xfail turns into a failure to remove.
+# Open finding (H200, 2026-11-30; benchmarks/results/h200-2026-11-30-round3/memcheck-*.log):
+# under compute-sanitizer the fixed path's decision differs from the plain run's. At the end of
+# the backward pass the frames of the step's recompute (the checkpointed forward down from the
+# reclaim's run_function wrapper) are still alive, not executing, and their locals hold the
+# checkpoint's detached input. No Python object refers to the innermost of those frames
+# (gc.get_referrers finds only their callee frames): what keeps them is not Python-visible, and
+# only under the sanitizer. The alias-aware reclaim never frees what a Python reference holds,
+# so it keeps the input: events "input:deferred input:kept" (plain run: "input:deferred
+# grad:dropped input:released-deferred"), also after a warm-up step. Memcheck's "0 errors" then
+# covers no release. Strict: when the decision no longer depends on the sanitizer, this xfail
+# turns into a failure to remove.
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="under compute-sanitizer the shared input is kept, not "
-                   "released (Python frames of the step stay referenced); holder not yet found")
+                   "released: the recompute's frames stay alive, held from outside Python")
 @pytest.mark.parametrize(
     "name", ["shared-view-reclaim", "shared-view-reclaim-verl080", "shared-view-reclaim-verl091"]
 )

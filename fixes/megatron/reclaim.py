@@ -146,7 +146,11 @@ def call_observing_inputs(backward: Callable, ctx, grad_outputs) -> tuple[tuple,
         result = backward(ctx, *grad_outputs)
     finally:
         ctx.run_function = run_function
-    return result, (calls[0] if len(calls) == 1 else ())
+    args = calls[0] if len(calls) == 1 else ()
+    # ``observed`` can outlive this call (whoever keeps a frame of the recompute keeps it):
+    # its record must not be one more holder of the detached copies.
+    calls.clear()
+    return result, args
 
 
 def tensor_args(values) -> list:
