@@ -1,0 +1,137 @@
+"""Recompute reclaim on real megatron-core GPT models (``benchmarks.megatron_scale``): peak and
+retained bytes, and the step-time ratio to no reclaim, of none / verl 0.8.0 / verl 0.9.1 / ours,
+per model, size and dtype -- plus the relations the reclaim must keep at scale.
+
+GPU: the MoE GPT (the #3221 leak: the allgather dispatcher keeps each layer's last routing state,
+and with it the recompute graph, until the next step's forward), the same with #5227's kept
+routing probabilities, and a dense GPT + MTP (no leak), at H=1024/S=2048 and H=2048/S=4096, fp32
+and bf16. CPU (``tox -e bench``): the MoE GPT and GPT + MTP at H=256/S=256, fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import megatron_scale as ms
+from benchmarks._bench import record
+
+SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
+PLAN = {
+    "cpu": dict(models=("moe", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",), steps=3),
+    "cuda": dict(models=ms.MODELS, sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20),
+}
+MARKS = {"cpu": pytest.mark.cpu, "cuda": pytest.mark.gpu}
+LEAKY = ("moe", "moe-kept-probs")
+# The step-time goal: a reclaim may cost at most 1% over no reclaim (medians of step-by-step
+# ratios of >= 20 interleaved steps). Asserted on GPU at H=2048/S=4096 (80-340 ms steps). At
+# H=1024/S=2048 (27-90 ms steps) the H200 run of 2026-11-30 gave 0.98-1.05 for every reclaim,
+# verl's too, whose wrapper does strictly less work than ours: that is the measurement's own
+# spread there, recorded (``step_time_vs_none_ratio``) but not bounded at 1%. Not on CPU: the
+# steps of a shared 2-core CI machine are noisier still.
+STEP_TIME_LIMIT = 1.01
+STEP_TIME_SIZES = ((2048, 4096),)
+# The CUDA caching allocator counts blocks, not tensor bytes; whether a block is split depends on
+# the allocation history, so two strategies freeing the same tensors can differ by a few blocks
+# (48 KiB of 193 MiB measured). Exact on CPU (MemTracker counts storages).
+CUDA_ROUNDING = 0.001
+
+
+def _params(strategies=ms.STRATEGIES, models=None):
+    out = []
+    for device, plan in PLAN.items():
+        for model in plan["models"]:
+            if models is not None and model not in models:
+                continue
+            for hidden, seq in plan["sizes"]:
+                for dtype in plan["dtypes"]:
+                    for strategy in strategies:
+                        out.append(pytest.param(
+                            device, model, hidden, seq, dtype, strategy, marks=MARKS[device],
+                            id=f"{model}-{hidden}x{seq}-{dtype}-{strategy}-{device}"))
+    return out
+
+
+def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
+    """One child per (device, model, strategy) and session, every size and dtype in it."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    if strategy.startswith("verl-"):
+        from repro.verl_release import release_dir
+
+        version = strategy.removeprefix("verl-")
+        if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
+            pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
+                        "(python -m repro.verl_release install)")
+    plan = PLAN[device]
+    cells = book.get(("megatron-scale", device, model, strategy), lambda: ms.cells_in_child(
+        model, strategy, device, plan["sizes"], plan["dtypes"], plan["steps"]))
+    for c in cells:
+        if "hidden" not in c:
+            raise RuntimeError(f"{model}/{strategy} on {device}: {c['error']}")
+        if (c["hidden"], c["seq"], c["dtype"]) == (hidden, seq, dtype):
+            if c.get("error"):
+                raise RuntimeError(f"{model}/{strategy} {hidden}x{seq} {dtype}: {c['error']}")
+            return c
+    raise RuntimeError(f"{model}/{strategy} on {device}: no cell {hidden}x{seq} {dtype}")
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"), _params())
+def test_megatron_scale(benchmark, figure_book, device, model, hidden, seq, dtype, strategy):
+    got = {}
+    # The time is the child's whole run: the figures that matter are bytes and the step ratio.
+    benchmark.pedantic(lambda: got.update(
+        _cell(figure_book, device, model, hidden, seq, dtype, strategy)), rounds=1, iterations=1)
+    figures = {"peak_bytes": got["peak_bytes"], "retained_bytes": got["retained_bytes"],
+               "step_time_vs_none_ratio": got["step_time_ratio"]}
+    record(benchmark, scenario=SCENARIO.format(model=model, hidden=hidden, seq=seq, dtype=dtype),
+           strategy=strategy, device=device, figures=figures)
+
+
+# --- the relations the strategies must keep at scale --------------------------------------------
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         _params(strategies=("verl-0.8.0", "verl-0.9.1", "ours"), models=LEAKY))
+def test_every_reclaim_frees_the_moe_leak(figure_book, device, model, hidden, seq, dtype, strategy):
+    """The reason a reclaim exists: an MoE step leaves its checkpoints' inputs and grads alive;
+    with any reclaim less stays between steps, and the peak is no higher."""
+    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
+    got = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    assert got["retained_bytes"] < none["retained_bytes"]
+    assert got["peak_bytes"] <= none["peak_bytes"]
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         _params(strategies=("ours",), models=LEAKY))
+def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq, dtype, strategy):
+    """With the leak, the alias-aware reclaim keeps no more between steps, and peaks no higher,
+    than verl 0.8.0's reclaim, which frees every input and grad (unsafely)."""
+    verl = _cell(figure_book, device, model, hidden, seq, dtype, "verl-0.8.0")
+    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    if device == "cpu":  # exact bytes: equal
+        assert (ours["retained_bytes"], ours["peak_bytes"]) == (
+            verl["retained_bytes"], verl["peak_bytes"])
+    else:
+        assert ours["retained_bytes"] <= verl["retained_bytes"] * (1 + CUDA_ROUNDING)
+        assert ours["peak_bytes"] <= verl["peak_bytes"] * (1 + CUDA_ROUNDING)
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         _params(strategies=("ours",), models=("gpt-mtp",)))
+def test_ours_costs_no_memory_without_a_leak(figure_book, device, model, hidden, seq, dtype,
+                                             strategy):
+    """No leak (dense GPT + MTP, whose MTP input is a chunk view): no higher a peak and no more
+    kept between steps than no reclaim."""
+    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
+    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    assert ours["peak_bytes"] <= none["peak_bytes"]
+    assert ours["retained_bytes"] <= none["retained_bytes"]
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         [p for p in _params(strategies=("ours",))
+                          if p.values[0] == "cuda" and p.values[2:4] in STEP_TIME_SIZES])
+def test_ours_step_time_within_one_percent(figure_book, device, model, hidden, seq, dtype,
+                                           strategy):
+    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    assert ours["step_time_ratio"] <= STEP_TIME_LIMIT, (
+        f"{ours['step_ms']:.2f} ms vs {ours['none_step_ms']:.2f} ms without a reclaim")
