@@ -115,6 +115,31 @@ def test_an_unreachable_cycle_holding_the_input_is_collected_at_the_end_of_backw
         gc.enable()
 
 
+def test_a_live_holder_costs_no_full_collection(patched):
+    """Telling a live holder from an unreachable cycle must not cost a full collection on every
+    backward pass: that scans every object of the process (170 ms per pass measured with torch
+    imported, against 1 ms for six tiny checkpoints without the reclaim). The cycles a step makes
+    are young; the young generations are enough."""
+    cache = []
+    generations = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.collect()
+    gc.disable()
+    gc.callbacks.append(on_gc)
+    try:
+        with recompute_reclaim_events() as events:
+            _step(_Layer(lambda t, out: cache.append(t) if torch.is_grad_enabled() else None))
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+    assert [(e.role, e.action) for e in events] == [("input", "deferred"), ("input", "kept")]
+    assert generations and max(generations) < 2, generations
+
+
 def test_retain_graph_leaves_inputs_for_the_second_backward():
     # Review finding: the second backward raised "data is not allocated yet" (or read freed
     # memory). Child interpreter, as above.

@@ -114,12 +114,27 @@ def python_refs_beyond(objects: Sequence[object], index: int) -> int:
     not mistaken for a foreign one on any version.
     """
     obj = objects[index]
-    if isinstance(obj, torch.Tensor) and obj._use_count() > 1:
-        probe = [torch.empty(0)]
-        keep = probe[0].view(0)  # a C++ holder, as obj has
-    else:
-        probe, keep = [object()], None
-    extra = sys.getrefcount(objects[index]) - sys.getrefcount(probe[0])
-    del obj, keep
-    # `obj` above was one more reference while the counts were taken.
+    with_holder = isinstance(obj, torch.Tensor) and obj._use_count() > 1
+    extra = sys.getrefcount(objects[index]) - _probe_baseline(with_holder)
+    del obj
+    # `obj` above was one more reference while the count was taken.
     return extra - 1
+
+
+_baselines: dict[bool, int] = {}
+
+
+def _probe_baseline(with_cpp_holder: bool) -> int:
+    """``sys.getrefcount`` of an object held only by one list slot: a tensor that has a C++
+    holder (a view) when ``with_cpp_holder``, else a plain object. Measured once per process
+    (it depends on the interpreter and torch, not on the call): probing every call cost a tensor
+    allocation per checkpoint input."""
+    if with_cpp_holder not in _baselines:
+        if with_cpp_holder:
+            probe = [torch.empty(0)]
+            keep = probe[0].view(0)  # a C++ holder
+        else:
+            probe, keep = [object()], None
+        _baselines[with_cpp_holder] = sys.getrefcount(probe[0])
+        del keep
+    return _baselines[with_cpp_holder]
