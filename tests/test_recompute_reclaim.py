@@ -12,6 +12,7 @@ graph holds the checkpoint's detached input and its grad).
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -194,11 +195,28 @@ def _property_batch_cuda(graph):
     check_reclaim_invariants(graph, "cuda")
 
 
+def freeze_heap() -> None:
+    """Move every object alive now to the permanent generation (``gc.freeze``), before a batch.
+
+    The reclaim calls ``gc.collect()`` whenever a Python reference to a checkpoint input is
+    left at the end of a backward pass (fixes.megatron.reclaim's ``_settle_all``): in a child
+    that has imported torch, hypothesis and torch._dynamo that is ~0.2 s over ~500k objects,
+    most of a batch's time. Frozen objects are the imported modules' (never garbage); every
+    object an example creates is still scanned, so each cycle it leaves is still collected.
+    """
+    import torch._dynamo  # noqa: F401 - the first checkpoint would import it after the freeze
+
+    gc.collect()
+    gc.freeze()
+
+
 def _run_batch_in_child(device: str, examples: int):
     code = (
         f"import gc, sys; gc.disable(); sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import test_recompute_reclaim as t\n"
+        "t.freeze_heap()\n"
         f"t._property_batch_{device}()\n"
+        "gc.unfreeze()  # nanobind reports objects still frozen at exit as leaks\n"
         "print('BATCH-OK')\n"
     )
     r = run_isolated(code=code, timeout=600, env={"STACKFIX_HYPOTHESIS_EXAMPLES": str(examples)},
