@@ -135,6 +135,9 @@ class Repro:
     # How the unfixed path fails under ``python -m repro --sanitize`` (fixes.sanitize names the
     # fault first, e.g. ReleasedStorageError instead of SIGSEGV). Empty: as without it.
     sanitized_signatures: tuple[Signature, ...] = ()
+    # The child must start from a bare interpreter, not be forked from the fork server
+    # (repro.harness.forkserver): it imports a package the server preloads from elsewhere.
+    fresh_interpreter: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from repro.harness import forkserver as forkserver_module
+
 
 @dataclass(frozen=True)
 class IsolatedResult:
@@ -60,23 +62,34 @@ def run_isolated(
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    forkserver: bool = False,
 ) -> IsolatedResult:
     """Run ``python -c code`` or ``python -m module`` with ``args`` in a new process.
 
     Exactly one of ``code`` and ``module`` is given. ``env`` entries are added to (not
     replacing) the current environment. A child still running after ``timeout`` seconds is
     killed with its whole process group and reported as ``timed_out``.
+
+    ``forkserver``: fork the child from this process's fork server (repro.harness.forkserver:
+    torch and friends already imported) instead of starting an interpreter; for children that
+    need no fresh interpreter of their own. Spawned anyway where the server is unavailable or
+    ``STACKFIX_FORKSERVER=0``.
     """
     if (code is None) == (module is None):
         raise ValueError("run_isolated needs exactly one of code= or module=")
-    argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
-    argv += list(args)
     child_env = dict(os.environ)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     # A child dumping core on SIGSEGV is the expected outcome of a crash repro, not news.
     child_env.setdefault("PYTHONFAULTHANDLER", "1")
     if env:
         child_env.update(env)
+    if forkserver and forkserver_module.enabled():
+        kind, target = ("code", code) if code is not None else ("module", module)
+        forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout)
+        if forked is not None:
+            return forked
+    argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
+    argv += list(args)
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,

@@ -1,0 +1,387 @@
+"""A fork server for crash children: one process that has imported torch (and spmd_types,
+megatron-core where installed) once, and forks a fresh child per request, so a child starts in
+milliseconds instead of paying 1.5-5 s of imports. ``run_isolated(..., forkserver=True)`` uses
+it; a child is still its own process (own session and process group), so a SIGSEGV, an abort or
+a hang ends that child only, exactly as with a spawned interpreter.
+
+Why fork is safe here. A fork copies only the calling thread; locks other threads held stay
+locked in the child, and a CUDA context or an OpenMP / torch intra-op thread pool does not
+survive a fork. The server therefore
+
+* is single-threaded, checked before every fork (``/proc/self/task``): numpy's OpenBLAS, the
+  one library whose import starts a thread, is loaded with ``OPENBLAS_NUM_THREADS=1``;
+* never runs a torch op and never initialises CUDA (it only imports; checked before the first
+  fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools start lazily in each
+  child, sized by the child's own environment (``OMP_NUM_THREADS``).
+
+How a child differs from ``python -c`` / ``python -m`` (none of it matters to a repro):
+
+* the preloaded modules were imported once, under the server's environment: variables they
+  read at import time take the server's values (the child's ``os.environ``, ``sys.argv``,
+  ``sys.path`` (its ``PYTHONPATH``), working directory, stdio and faulthandler are the
+  request's); numpy's BLAS keeps one thread; every child shares the server's hash seed
+  (``random`` reseeds itself at fork);
+* a child that must import a preloaded package from elsewhere (a Megatron-LM checkout instead
+  of the installed megatron-core) cannot use the server: its caller spawns it.
+
+A child ends with the Python-level part of interpreter shutdown (non-daemon threads joined,
+atexit handlers run, output flushed) and ``os._exit``: the C-level teardown of the preloaded
+modules (~1.4 s) is skipped, so a crash that only module teardown would cause is not seen.
+
+Protocol: the client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
+the server exits when the client's end closes (the client process ended). A request is one
+JSON message carrying three descriptors (SCM_RIGHTS): a status socket and the write ends of
+the child's stdout and stderr pipes. Per request the server forks a supervisor, which forks
+the child, sends ``{"pid"}`` then ``{"returncode"}`` (negative for a signal) on the status
+socket, and exits. The client reads the pipes as ``subprocess`` does; on a timeout it kills
+the child's process group. Linux only (``/proc``); ``STACKFIX_FORKSERVER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import json
+import locale
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+
+ENV = "STACKFIX_FORKSERVER"
+# Imported once by the server: what crash children spend their start-up on.
+PRELOAD = (
+    "torch",
+    "torch.utils.checkpoint",
+    "torch._dynamo",  # imported by the first checkpoint otherwise (~1 s)
+    "spmd_types",
+    "megatron.core.tensor_parallel",
+    "repro.registry",  # not repro.child: runpy warns when the module it runs is imported
+    "repro.harness.sanitize",
+)
+_MAX_MESSAGE = 1 << 20
+_READY_TIMEOUT = 300.0
+
+
+def enabled() -> bool:
+    """Whether ``run`` may be used here: Linux (fork, SCM_RIGHTS, /proc) and not turned off."""
+    return (os.environ.get(ENV, "1") != "0" and sys.platform.startswith("linux")
+            and hasattr(os, "fork") and hasattr(socket, "send_fds"))
+
+
+# ---- client -------------------------------------------------------------------------------
+
+
+class _Client:
+    """This process's connection to its server (started on first use)."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # the server stays single-threaded
+        code = f"from repro.harness.forkserver import serve; serve({theirs.fileno()})"
+        self.pid = os.getpid()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the caller's group is not for the server
+        )
+        theirs.close()
+        self.sock = mine
+        self.sock.settimeout(_READY_TIMEOUT)
+        try:
+            ready = self.sock.recv(_MAX_MESSAGE)
+        finally:
+            self.sock.settimeout(None)
+        if ready != b"ready":
+            self.close()
+            raise OSError(f"fork server did not start: {ready.decode(errors='replace')!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait()
+
+
+_client: _Client | None = None
+_client_lock = threading.Lock()
+
+
+def _connected() -> _Client | None:
+    """The server of this process (a forked copy of a client starts its own), or None."""
+    global _client
+    with _client_lock:
+        if _client is not None and _client.pid == os.getpid() and _client.proc.poll() is None:
+            return _client
+        try:
+            _client = _Client()
+        except OSError:
+            _client = None
+        return _client
+
+
+def run(
+    kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
+    timeout: float,
+):
+    """``python -c target`` (kind "code") or ``python -m target`` (kind "module") with ``args``,
+    environment ``env`` (the whole of it) and ``cwd``, forked by this process's server.
+
+    Returns an IsolatedResult, or None when the server cannot take the request (it could not
+    start or has gone): the caller then spawns the child itself.
+    """
+    from repro.harness.isolated import IsolatedResult
+
+    client = _connected()
+    if client is None:
+        return None
+    request = {"kind": kind, "target": target, "args": list(args), "env": dict(env),
+               "cwd": os.path.abspath(cwd) if cwd is not None else os.getcwd()}
+    status, status_theirs = socket.socketpair()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    try:
+        socket.send_fds(client.sock, [json.dumps(request).encode()],
+                        [status_theirs.fileno(), out_w, err_w])
+    except OSError:
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        status.close()
+        return None
+    finally:
+        status_theirs.close()
+    os.close(out_w)
+    os.close(err_w)
+    out, err, reports, timed_out = _collect(out_r, err_r, status, start + timeout)
+    status.close()
+    if "returncode" not in reports:
+        raise RuntimeError(f"fork server: no exit status for the child ({reports}); stderr:\n"
+                           + _decode(err)[-2000:])
+    return IsolatedResult(
+        returncode=None if timed_out else reports["returncode"],
+        stdout=_decode(out), stderr=_decode(err),
+        seconds=time.monotonic() - start, timed_out=timed_out,
+    )
+
+
+def _collect(out_r: int, err_r: int, status: socket.socket, deadline: float):
+    """Read the child's stdout, stderr and the supervisor's reports until all three close;
+    past ``deadline``, kill the child's process group once and keep reading."""
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: [], status.fileno(): []}
+    reports: dict = {}
+    timed_out = False
+    with selectors.DefaultSelector() as sel:
+        for fd in chunks:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            wait = None if timed_out else max(0.0, deadline - time.monotonic())
+            ready = sel.select(wait)
+            if not ready and not timed_out:
+                timed_out = True
+                _kill_group(reports, status, chunks)
+                continue
+            for key, _ in ready:
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    sel.unregister(key.fd)
+                    if key.fd != status.fileno():
+                        os.close(key.fd)
+            reports = _parse_reports(b"".join(chunks[status.fileno()]))
+    return b"".join(chunks[out_r]), b"".join(chunks[err_r]), reports, timed_out
+
+
+def _kill_group(reports: dict, status: socket.socket, chunks: dict) -> None:
+    if "pid" not in reports:  # the supervisor sends it right after forking: wait for it
+        status.settimeout(10)
+        chunks[status.fileno()].append(status.recv(4096))
+        status.settimeout(None)
+        reports.update(_parse_reports(b"".join(chunks[status.fileno()])))
+    try:
+        os.killpg(reports["pid"], signal.SIGKILL)
+    except (KeyError, ProcessLookupError):
+        pass
+
+
+def _parse_reports(data: bytes) -> dict:
+    out: dict = {}
+    for line in data.decode().splitlines():
+        if line.strip():
+            out.update(json.loads(line))
+    return out
+
+
+def _decode(data: bytes) -> str:
+    """As ``subprocess.Popen(text=True)`` decodes a child's output."""
+    text = data.decode(locale.getpreferredencoding(False))
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+# ---- server -------------------------------------------------------------------------------
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _preload() -> None:
+    for name in PRELOAD:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue  # optional and not installed: the children that need it skip
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # a child importing it sees the same error itself
+
+
+def _unsafe_to_fork() -> str | None:
+    if (n := _os_threads()) != 1:
+        return f"the fork server has {n} threads, not 1"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the fork server"
+    return None
+
+
+def serve(fd: int) -> None:
+    """The server's main loop (``fd``: its end of the client's socket pair)."""
+    sock = socket.socket(fileno=fd)
+    _preload()
+    if (why := _unsafe_to_fork()) is not None:
+        sock.send(why.encode())
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    sock.send(b"ready")
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+        if not message:
+            return  # the client has gone
+        request = json.loads(message)
+        status = socket.socket(fileno=fds[0])
+        if (why := _unsafe_to_fork()) is not None:
+            status.sendall(json.dumps({"error": why}).encode() + b"\n")
+        elif os.fork() == 0:
+            sock.close()
+            _supervise(request, status, fds[1], fds[2])  # never returns in the supervisor
+        status.close()
+        os.close(fds[1])
+        os.close(fds[2])
+
+
+def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int) -> None:
+    """Fork the child, report its pid and then its exit status, and exit."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid needs its child kept for it
+    pid = os.fork()
+    if pid == 0:
+        status.close()
+        _child(request, out_w, err_w)
+    try:
+        status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, wait_status = os.waitpid(pid, 0)
+        status.sendall(json.dumps(
+            {"returncode": os.waitstatus_to_exitcode(wait_status)}).encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+def _child(request: dict, out_w: int, err_w: int) -> None:
+    """Become the requested interpreter, run it, and exit as ``python -c`` / ``-m`` would."""
+    os.setsid()  # own session and process group: a timeout kills what it starts, too
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    env = request["env"]
+    _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    _set_sys_path(request["kind"], env.get("PYTHONPATH", ""))
+    import faulthandler
+
+    faulthandler.disable()
+    if env.get("PYTHONFAULTHANDLER", ""):
+        faulthandler.enable()
+    try:
+        if request["kind"] == "module":
+            import runpy
+
+            sys.argv = [request["target"], *request["args"]]  # runpy sets [0] to the file
+            runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *request["args"]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(request["target"], "<string>", "exec"), main.__dict__)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - reported as the interpreter reports it
+        # from the target's frames on: this function's own frame is no part of the child's run
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        code = 1
+    _shut_down(code)
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``SystemExit(code)`` gives (a non-int is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _shut_down(code: int) -> None:
+    """The Python-level steps of interpreter shutdown, then ``os._exit``: non-daemon threads
+    joined, atexit handlers run, stdio flushed. The C-level teardown (a full collection and
+    module teardown over every preloaded object, ~1.4 s) is skipped: a child's outcome is
+    decided before it."""
+    threading._shutdown()  # what Py_FinalizeEx calls first: wait for non-daemon threads
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _redirect_stdio(out_w: int, err_w: int, unbuffered: bool) -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    for src, dst in ((null, 0), (out_w, 1), (err_w, 2)):
+        os.dup2(src, dst)
+        os.close(src)
+
+    def text(fd: int, like: io.TextIOWrapper, line_buffering: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding=like.encoding, errors=like.errors,
+                                line_buffering=line_buffering, write_through=unbuffered)
+
+    # As the interpreter sets them up for pipes: stdout block-buffered, stderr line-buffered.
+    sys.stdout = sys.__stdout__ = text(1, sys.__stdout__, line_buffering=False)
+    sys.stderr = sys.__stderr__ = text(2, sys.__stderr__, line_buffering=True)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+
+
+# sys.path as the server started with it: [path0, *PYTHONPATH entries, *the rest].
+_SERVER_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(
+    os.pathsep) if p]
+
+
+def _set_sys_path(kind: str, pythonpath: str) -> None:
+    """``sys.path`` as the interpreter would build it for this request: the working directory
+    ("" for -c, its absolute path for -m), the request's PYTHONPATH, then the installation's."""
+    rest = sys.path[1 + len(_SERVER_PYTHONPATH):]
+    entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    sys.path[:] = ["" if kind == "code" else os.getcwd(), *entries, *rest]
+    importlib.invalidate_caches()
