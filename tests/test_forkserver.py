@@ -131,3 +131,36 @@ def test_the_server_refuses_to_fork_with_a_second_thread_or_cuda(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert forkserver._unsafe_to_fork() == "CUDA is initialised in the fork server"
+
+
+RANKS = ("import os, sys, time\n"
+         "from repro.harness import forkserver\n"
+         "from repro.harness.isolated import run_loopback_ranks\n"
+         "rank = {rank!r}\n"
+         "ranks = run_loopback_ranks([sys.executable, '-c', rank], 2, timeout=60,"
+         " forkserver=forkserver.attached())\n"
+         "print(forkserver.attached(), os.getpgrp(), *(r.stdout.strip() for r in ranks))\n")
+
+
+def test_a_forked_childs_ranks_are_forked_into_its_process_group():
+    code = RANKS.format(rank="import os, sys; print(os.getpgrp(), 'torch' in sys.modules)")
+    forked, spawned = _both(code=code, timeout=120)
+    for r, attached, preloaded in ((forked, "True", "True"), (spawned, "False", "False")):
+        assert r.ok, r.stderr[-3000:]
+        was_attached, group, *ranks = r.stdout.split()
+        assert was_attached == attached
+        assert ranks == [group, preloaded] * 2, r.stdout
+
+
+@BOTH
+def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
+    rank = (f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
+            ".write(str(os.getpid())); time.sleep(60)")
+    r = run_isolated(code=RANKS.format(rank=rank), timeout=4, forkserver=forked)
+    assert r.timed_out
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    for _ in range(50):
+        if not any(_alive(pid) for pid in pids):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)

@@ -81,134 +81,184 @@ def enabled() -> bool:
 
 
 class _Client:
-    """This process's connection to its server (started on first use)."""
+    """A connection to a fork server: the one this process started, or, in a forked child,
+    the one its server gave it (so that what a child starts is forked by the same server)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None):
+        self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
+
+    @classmethod
+    def start(cls) -> _Client:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # the server stays single-threaded
         code = f"from repro.harness.forkserver import serve; serve({theirs.fileno()})"
-        self.pid = os.getpid()
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C to the caller's group is not for the server
+            start_new_session=True,  # its session (id: its pid) holds every child it forks
         )
         theirs.close()
-        self.sock = mine
-        self.sock.settimeout(_READY_TIMEOUT)
+        mine.settimeout(_READY_TIMEOUT)
         try:
-            ready = self.sock.recv(_MAX_MESSAGE)
-        finally:
-            self.sock.settimeout(None)
+            ready = mine.recv(_MAX_MESSAGE)
+        except OSError:
+            ready = b""
+        mine.settimeout(None)
         if ready != b"ready":
-            self.close()
+            mine.close()
+            proc.wait()
             raise OSError(f"fork server did not start: {ready.decode(errors='replace')!r}")
+        return cls(mine, proc.pid, proc)
 
-    def close(self) -> None:
-        self.sock.close()
-        self.proc.wait()
+    def usable(self) -> bool:
+        return self.pid == os.getpid() and (self.proc is None or self.proc.poll() is None)
 
 
 _client: _Client | None = None
 _client_lock = threading.Lock()
 
 
+def attached() -> bool:
+    """Whether this process is a child forked by a fork server (and so can have its own
+    children forked cheaply, by the same server)."""
+    return _client is not None and _client.proc is None and _client.usable()
+
+
 def _connected() -> _Client | None:
-    """The server of this process (a forked copy of a client starts its own), or None."""
+    """This process's server, started on first use (a forked copy of a process that had one
+    starts its own), or None if it cannot start."""
     global _client
     with _client_lock:
-        if _client is not None and _client.pid == os.getpid() and _client.proc.poll() is None:
+        if _client is not None and _client.usable():
             return _client
         try:
-            _client = _Client()
+            _client = _Client.start()
         except OSError:
             _client = None
         return _client
+
+
+class Forked:
+    """A child the server forked, being read (``collect``)."""
+
+    def __init__(self, status: socket.socket, out_r: int, err_r: int, own_group: bool):
+        self.status, self.out_r, self.err_r, self.own_group = status, out_r, err_r, own_group
+        self.start = time.monotonic()
+        self.chunks: dict[int, list[bytes]] = {out_r: [], err_r: [], status.fileno(): []}
+        self.reports: dict = {}
+        self.timed_out = False
+
+    def kill(self) -> None:
+        """SIGKILL the child (with its process group when it leads one)."""
+        if "pid" not in self.reports:  # sent right after the fork: wait for it
+            self.status.settimeout(10)
+            self._got(self.status.fileno(), self.status.recv(4096))
+            self.status.settimeout(None)
+        try:
+            if self.own_group:
+                os.killpg(self.reports["pid"], signal.SIGKILL)
+            else:
+                os.kill(self.reports["pid"], signal.SIGKILL)
+        except (KeyError, ProcessLookupError):
+            pass
+
+    def _got(self, fd: int, data: bytes) -> None:
+        self.chunks[fd].append(data)
+        if fd == self.status.fileno():
+            self.reports = _parse_reports(b"".join(self.chunks[fd]))
+
+    def result(self):
+        from repro.harness.isolated import IsolatedResult
+
+        self.status.close()
+        out, err = (b"".join(self.chunks[fd]) for fd in (self.out_r, self.err_r))
+        if "returncode" not in self.reports:
+            raise RuntimeError(f"fork server: no exit status for the child ({self.reports}); "
+                               "stderr:\n" + _decode(err)[-2000:])
+        return IsolatedResult(
+            returncode=None if self.timed_out else self.reports["returncode"],
+            stdout=_decode(out), stderr=_decode(err),
+            seconds=time.monotonic() - self.start, timed_out=self.timed_out,
+        )
+
+
+def start(
+    kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
+    own_group: bool = True,
+) -> Forked | None:
+    """Have the server fork ``python -c target`` (kind "code") or ``python -m target`` (kind
+    "module") with ``args``, environment ``env`` (the whole of it) and ``cwd``; read it with
+    ``collect``. ``own_group``: the child leads a new process group (``start_new_session``);
+    otherwise it joins this process's group where it can (a child's ranks, killed with it).
+
+    None when the server cannot take the request (it could not start or has gone): the caller
+    then spawns the child itself.
+    """
+    client = _connected()
+    if client is None:
+        return None
+    join = not own_group and os.getsid(0) == client.session
+    request = {"kind": kind, "target": target, "args": list(args), "env": dict(env),
+               "cwd": os.path.abspath(cwd) if cwd is not None else os.getcwd(),
+               "group": os.getpgrp() if join else None}
+    status, status_theirs = socket.socketpair()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        socket.send_fds(client.sock, [json.dumps(request).encode()],
+                        [status_theirs.fileno(), out_w, err_w])
+    except OSError:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        status.close()
+        return None
+    finally:
+        status_theirs.close()
+        os.close(out_w)
+        os.close(err_w)
+    return Forked(status, out_r, err_r, own_group=not join)
+
+
+def collect(children: Sequence[Forked], timeout: float | None) -> list:
+    """Read every child's stdout, stderr and exit status until all have ended; those still
+    running ``timeout`` seconds after the first started are killed (``timed_out``). Returns
+    their IsolatedResults, in order."""
+    deadline = None if timeout is None else min(c.start for c in children) + timeout
+    owner = {}
+    with selectors.DefaultSelector() as sel:
+        for child in children:
+            for fd in child.chunks:
+                sel.register(fd, selectors.EVENT_READ)
+                owner[fd] = child
+        while sel.get_map():
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = sel.select(wait)
+            if not ready and deadline is not None:
+                deadline = None
+                for child in children:
+                    if "returncode" not in child.reports:
+                        child.timed_out = True
+                        child.kill()
+                continue
+            for key, _ in ready:
+                data = os.read(key.fd, 65536)
+                if data:
+                    owner[key.fd]._got(key.fd, data)
+                    continue
+                sel.unregister(key.fd)
+                if key.fd != owner[key.fd].status.fileno():
+                    os.close(key.fd)
+    return [child.result() for child in children]
 
 
 def run(
     kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
     timeout: float,
 ):
-    """``python -c target`` (kind "code") or ``python -m target`` (kind "module") with ``args``,
-    environment ``env`` (the whole of it) and ``cwd``, forked by this process's server.
-
-    Returns an IsolatedResult, or None when the server cannot take the request (it could not
-    start or has gone): the caller then spawns the child itself.
-    """
-    from repro.harness.isolated import IsolatedResult
-
-    client = _connected()
-    if client is None:
-        return None
-    request = {"kind": kind, "target": target, "args": list(args), "env": dict(env),
-               "cwd": os.path.abspath(cwd) if cwd is not None else os.getcwd()}
-    status, status_theirs = socket.socketpair()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    start = time.monotonic()
-    try:
-        socket.send_fds(client.sock, [json.dumps(request).encode()],
-                        [status_theirs.fileno(), out_w, err_w])
-    except OSError:
-        for fd in (out_r, out_w, err_r, err_w):
-            os.close(fd)
-        status.close()
-        return None
-    finally:
-        status_theirs.close()
-    os.close(out_w)
-    os.close(err_w)
-    out, err, reports, timed_out = _collect(out_r, err_r, status, start + timeout)
-    status.close()
-    if "returncode" not in reports:
-        raise RuntimeError(f"fork server: no exit status for the child ({reports}); stderr:\n"
-                           + _decode(err)[-2000:])
-    return IsolatedResult(
-        returncode=None if timed_out else reports["returncode"],
-        stdout=_decode(out), stderr=_decode(err),
-        seconds=time.monotonic() - start, timed_out=timed_out,
-    )
-
-
-def _collect(out_r: int, err_r: int, status: socket.socket, deadline: float):
-    """Read the child's stdout, stderr and the supervisor's reports until all three close;
-    past ``deadline``, kill the child's process group once and keep reading."""
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: [], status.fileno(): []}
-    reports: dict = {}
-    timed_out = False
-    with selectors.DefaultSelector() as sel:
-        for fd in chunks:
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map():
-            wait = None if timed_out else max(0.0, deadline - time.monotonic())
-            ready = sel.select(wait)
-            if not ready and not timed_out:
-                timed_out = True
-                _kill_group(reports, status, chunks)
-                continue
-            for key, _ in ready:
-                data = os.read(key.fd, 65536)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    sel.unregister(key.fd)
-                    if key.fd != status.fileno():
-                        os.close(key.fd)
-            reports = _parse_reports(b"".join(chunks[status.fileno()]))
-    return b"".join(chunks[out_r]), b"".join(chunks[err_r]), reports, timed_out
-
-
-def _kill_group(reports: dict, status: socket.socket, chunks: dict) -> None:
-    if "pid" not in reports:  # the supervisor sends it right after forking: wait for it
-        status.settimeout(10)
-        chunks[status.fileno()].append(status.recv(4096))
-        status.settimeout(None)
-        reports.update(_parse_reports(b"".join(chunks[status.fileno()])))
-    try:
-        os.killpg(reports["pid"], signal.SIGKILL)
-    except (KeyError, ProcessLookupError):
-        pass
+    """One child (``start``) read to its end (``collect``); None when the server cannot take
+    it. It leads its own process group: a timeout kills it and what it started."""
+    child = start(kind, target, args, env, cwd)
+    return None if child is None else collect([child], timeout)[0]
 
 
 def _parse_reports(data: bytes) -> dict:
@@ -252,37 +302,63 @@ def _unsafe_to_fork() -> str | None:
 
 
 def serve(fd: int) -> None:
-    """The server's main loop (``fd``: its end of the client's socket pair)."""
-    sock = socket.socket(fileno=fd)
+    """The server's main loop (``fd``: its end of the client's socket pair). Each child gets a
+    connection of its own to this loop; the server exits when the client's closes."""
+    root = socket.socket(fileno=fd)
     _preload()
     if (why := _unsafe_to_fork()) is not None:
-        sock.send(why.encode())
+        root.send(why.encode())
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
-    sock.send(b"ready")
-    while True:
-        message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
-        if not message:
-            return  # the client has gone
-        request = json.loads(message)
-        status = socket.socket(fileno=fds[0])
-        if (why := _unsafe_to_fork()) is not None:
-            status.sendall(json.dumps({"error": why}).encode() + b"\n")
-        elif os.fork() == 0:
-            sock.close()
-            _supervise(request, status, fds[1], fds[2])  # never returns in the supervisor
-        status.close()
-        os.close(fds[1])
-        os.close(fds[2])
+    root.send(b"ready")
+    with selectors.DefaultSelector() as sel:
+        sel.register(root, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                conn = key.fileobj
+                message, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
+                if message:
+                    _fork_request(json.loads(message), fds, sel)
+                elif conn is root:
+                    return  # the client has gone
+                else:
+                    sel.unregister(conn)  # a child has ended
+                    conn.close()
 
 
-def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int) -> None:
+def _fork_request(request: dict, fds: list[int], sel: selectors.BaseSelector) -> None:
+    status = socket.socket(fileno=fds[0])
+    if (why := _unsafe_to_fork()) is not None:
+        status.sendall(json.dumps({"error": why}).encode() + b"\n")
+    else:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.fork() == 0:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+            sel.close()
+            mine.close()
+            _supervise(request, status, fds[1], fds[2], theirs)  # never returns
+        theirs.close()
+        sel.register(mine, selectors.EVENT_READ)
+    status.close()
+    os.close(fds[1])
+    os.close(fds[2])
+
+
+def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int,
+               conn: socket.socket) -> None:
     """Fork the child, report its pid and then its exit status, and exit."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid needs its child kept for it
     pid = os.fork()
     if pid == 0:
         status.close()
-        _child(request, out_w, err_w)
+        _child(request, out_w, err_w, conn)
+    conn.close()
+    if request["group"] is None:
+        try:  # as the child does: its group exists before the client can signal it
+            os.setpgid(pid, pid)
+        except OSError:
+            pass  # it has already ended
     try:
         status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         _, wait_status = os.waitpid(pid, 0)
@@ -292,10 +368,13 @@ def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int) -> 
         os._exit(0)
 
 
-def _child(request: dict, out_w: int, err_w: int) -> None:
+def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     """Become the requested interpreter, run it, and exit as ``python -c`` / ``-m`` would."""
-    os.setsid()  # own session and process group: a timeout kills what it starts, too
+    global _client
+    # A group of its own (a timeout kills what it starts, too) or its requester's (a rank).
+    os.setpgid(0, request["group"] or 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _client = _Client(conn, os.getsid(0), proc=None)  # what it starts is forked here too
     env = request["env"]
     _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
     os.environ.clear()

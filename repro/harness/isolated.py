@@ -134,16 +134,18 @@ def run_loopback_ranks(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    forkserver: bool = False,
 ) -> list[IsolatedResult]:
     """Run ``argv`` once per rank, torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
     all on 127.0.0.1 with gloo bound to the loopback interface; wait for every rank.
 
     ``env`` entries are added to each rank's environment. Ranks still running after
     ``timeout`` seconds (None: no limit) are killed and reported as ``timed_out``.
+    ``forkserver``: ranks of ``[sys.executable, "-c" | "-m", ...]`` are forked by the fork
+    server (in the caller's process group where it is the server's child), as in run_isolated.
     """
     port = free_loopback_port()
-    start = time.monotonic()
-    procs = []
+    rank_envs = []
     for rank in range(world_size):
         rank_env = dict(
             os.environ,
@@ -153,6 +155,14 @@ def run_loopback_ranks(
             GLOO_SOCKET_IFNAME="lo",
         )
         rank_env.update(env or {})
+        rank_envs.append(rank_env)
+    if forkserver and forkserver_module.enabled():
+        forked = _forked_ranks(argv, rank_envs, timeout, cwd)
+        if forked is not None:
+            return forked
+    start = time.monotonic()
+    procs = []
+    for rank_env in rank_envs:
         procs.append(subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=rank_env, cwd=cwd,
@@ -177,3 +187,24 @@ def run_loopback_ranks(
             if proc.poll() is None:
                 proc.kill()
     return results
+
+
+def _forked_ranks(
+    argv: Sequence[str], envs: Sequence[Mapping[str, str]], timeout: float | None,
+    cwd: str | None,
+) -> list[IsolatedResult] | None:
+    """The ranks forked by the fork server; None when ``argv`` is not this Python's ``-c`` /
+    ``-m`` or the server cannot take them (then they are spawned)."""
+    kind = {"-c": "code", "-m": "module"}.get(argv[1]) if len(argv) > 2 else None
+    if argv[0] != sys.executable or kind is None:
+        return None
+    ranks = []
+    for env in envs:
+        rank = forkserver_module.start(kind, argv[2], argv[3:], env, cwd, own_group=False)
+        if rank is None:  # the server has gone: end the ranks it started, spawn them all
+            for started in ranks:
+                started.kill()
+            forkserver_module.collect(ranks, None)
+            return None
+        ranks.append(rank)
+    return forkserver_module.collect(ranks, timeout)
