@@ -266,7 +266,7 @@ REPROS = [
         devices=("cpu", "cuda"),
         timeout=300.0,
         upstream=_UPSTREAM,
-        fresh_interpreter=True,  # megatron from the checkout, not the installed megatron-core
+        forkserver=None,  # megatron from the checkout, not the installed megatron-core
     ),
     Repro(
         name="mtp-shape-megatron-dev-verl080",
@@ -278,6 +278,6 @@ REPROS = [
         devices=("cpu", "cuda"),
         timeout=300.0,
         upstream=_UPSTREAM,
-        fresh_interpreter=True,  # megatron from the checkout, not the installed megatron-core
+        forkserver=None,  # megatron from the checkout, not the installed megatron-core
     ),
 ]

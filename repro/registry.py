@@ -135,9 +135,10 @@ class Repro:
     # How the unfixed path fails under ``python -m repro --sanitize`` (fixes.sanitize names the
     # fault first, e.g. ReleasedStorageError instead of SIGSEGV). Empty: as without it.
     sanitized_signatures: tuple[Signature, ...] = ()
-    # The child must start from a bare interpreter, not be forked from the fork server
-    # (repro.harness.forkserver): it imports a package the server preloads from elsewhere.
-    fresh_interpreter: bool = False
+    # The fork server profile its children are forked from (repro.harness.forkserver.PRELOADS:
+    # what is imported before the child starts); None: a fresh interpreter, for a child that
+    # imports a package the server preloads from elsewhere.
+    forkserver: str | None = "torch"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -33,6 +33,13 @@ def test_a_forked_child_starts_with_torch_imported_a_spawned_one_without():
     assert (forked.stdout, spawned.stdout) == ("True\n", "False\n")
 
 
+def test_the_torchtitan_profile_forks_with_torchtitan_imported():
+    pytest.importorskip("torchtitan.trainer", reason="torchtitan not installed")
+    r = run_isolated(code="import sys; print('torchtitan.trainer' in sys.modules)",
+                     forkserver="torchtitan", timeout=120)
+    assert r.stdout == "True\n", r  # the server started: single-threaded after its imports
+
+
 def test_off_switch_spawns(monkeypatch):
     monkeypatch.setenv(forkserver.ENV, "0")
     r = run_isolated(code="import sys; print('torch' in sys.modules)", forkserver=True)

@@ -1,16 +1,19 @@
 """A fork server for crash children: one process that has imported torch (and spmd_types,
-megatron-core where installed) once, and forks a fresh child per request, so a child starts in
-milliseconds instead of paying 1.5-5 s of imports. ``run_isolated(..., forkserver=True)`` uses
-it; a child is still its own process (own session and process group), so a SIGSEGV, an abort or
-a hang ends that child only, exactly as with a spawned interpreter.
+megatron-core where installed; torchtitan too in the "torchtitan" profile) once, and forks a
+fresh child per request, so a child starts in milliseconds instead of paying 1.5-5 s of imports.
+``run_isolated(..., forkserver=True)`` and ``run_loopback_ranks(..., forkserver=True)`` use it. A
+child is still its own process leading its own process group, so a SIGSEGV, an abort or a hang
+ends that child (and what it started) only, exactly as with a spawned interpreter.
 
 Why fork is safe here. A fork copies only the calling thread; locks other threads held stay
 locked in the child, and a CUDA context or an OpenMP / torch intra-op thread pool does not
 survive a fork. The server therefore
 
-* is single-threaded, checked before every fork (``/proc/self/task``): numpy's OpenBLAS, the
-  one library whose import starts a thread, is loaded with ``OPENBLAS_NUM_THREADS=1``;
-* never runs a torch op and never initialises CUDA (it only imports; checked before the first
+* is single-threaded, checked before every fork (``/proc/self/task``). Two imports would start
+  a thread; the server imports under ``_SERVER_ENV``, which stops both: numpy's OpenBLAS pool
+  (``OPENBLAS_NUM_THREADS=1``) and pyarrow's jemalloc background thread (torchtitan imports
+  datasets; ``JE_ARROW_MALLOC_CONF=background_thread:false``);
+* never runs a torch op and never initialises CUDA (it only imports; checked before every
   fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools start lazily in each
   child, sized by the child's own environment (``OMP_NUM_THREADS``).
 
@@ -19,22 +22,25 @@ How a child differs from ``python -c`` / ``python -m`` (none of it matters to a 
 * the preloaded modules were imported once, under the server's environment: variables they
   read at import time take the server's values (the child's ``os.environ``, ``sys.argv``,
   ``sys.path`` (its ``PYTHONPATH``), working directory, stdio and faulthandler are the
-  request's); numpy's BLAS keeps one thread; every child shares the server's hash seed
-  (``random`` reseeds itself at fork);
+  request's); numpy's BLAS keeps one thread and pyarrow's jemalloc no background thread; every
+  child shares the server's hash seed (``random`` reseeds itself at fork);
 * a child that must import a preloaded package from elsewhere (a Megatron-LM checkout instead
-  of the installed megatron-core) cannot use the server: its caller spawns it.
+  of the installed megatron-core), or must not find one imported (tests of what happens
+  without torchtitan), cannot use the server (or that profile): its caller spawns it;
+* it ends with the Python-level part of interpreter shutdown (non-daemon threads joined,
+  atexit handlers run, output flushed) and ``os._exit``: the C-level teardown of the preloaded
+  modules (~1.4 s) is skipped, so a crash that only module teardown would cause is not seen.
 
-A child ends with the Python-level part of interpreter shutdown (non-daemon threads joined,
-atexit handlers run, output flushed) and ``os._exit``: the C-level teardown of the preloaded
-modules (~1.4 s) is skipped, so a crash that only module teardown would cause is not seen.
-
-Protocol: the client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
+Protocol. The client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
 the server exits when the client's end closes (the client process ended). A request is one
 JSON message carrying three descriptors (SCM_RIGHTS): a status socket and the write ends of
 the child's stdout and stderr pipes. Per request the server forks a supervisor, which forks
 the child, sends ``{"pid"}`` then ``{"returncode"}`` (negative for a signal) on the status
 socket, and exits. The client reads the pipes as ``subprocess`` does; on a timeout it kills
-the child's process group. Linux only (``/proc``); ``STACKFIX_FORKSERVER=0`` turns it off.
+the child's process group. Each child gets a connection of its own to the server, so what it
+starts (a repro's ranks) is forked there too; every process the server forks lives in the
+server's session, so a rank can join its requester's process group and die with it. Linux
+only (``/proc``); ``STACKFIX_FORKSERVER=0`` turns it off (everything is spawned).
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ import types
 from collections.abc import Mapping, Sequence
 
 ENV = "STACKFIX_FORKSERVER"
-# Imported once by the server: what crash children spend their start-up on.
-PRELOAD = (
+# What a server imports once, by profile: what its children spend their start-up on.
+_TORCH = (
     "torch",
     "torch.utils.checkpoint",
     "torch._dynamo",  # imported by the first checkpoint otherwise (~1 s)
@@ -67,6 +73,16 @@ PRELOAD = (
     "repro.registry",  # not repro.child: runpy warns when the module it runs is imported
     "repro.harness.sanitize",
 )
+PRELOADS = {
+    "torch": _TORCH,
+    # Only for children that import torchtitan themselves: fixes.torchtitan's mesh snapshot,
+    # the mesh sanitizer and others look torchtitan up in sys.modules.
+    "torchtitan": (*_TORCH, "torchtitan.trainer", "fixes.torchtitan.engine"),
+}
+# The environment a server imports under, so that no thread is left running after the
+# imports: numpy's OpenBLAS pool (1 = none), pyarrow's jemalloc background thread
+# (torchtitan imports datasets). Its children get the request's environment.
+_SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 _MAX_MESSAGE = 1 << 20
 _READY_TIMEOUT = 300.0
 
@@ -88,10 +104,10 @@ class _Client:
         self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
 
     @classmethod
-    def start(cls) -> _Client:
+    def start(cls, profile: str) -> _Client:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # the server stays single-threaded
-        code = f"from repro.harness.forkserver import serve; serve({theirs.fileno()})"
+        env = dict(os.environ, **_SERVER_ENV)
+        code = f"from repro.harness.forkserver import serve; serve({theirs.fileno()}, {profile!r})"
         proc = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -114,28 +130,35 @@ class _Client:
         return self.pid == os.getpid() and (self.proc is None or self.proc.poll() is None)
 
 
-_client: _Client | None = None
-_client_lock = threading.Lock()
+_servers: dict[str, _Client] = {}  # the servers this process started, by profile
+_attached: _Client | None = None  # in a forked child: the server that forked it
+_lock = threading.Lock()
 
 
 def attached() -> bool:
     """Whether this process is a child forked by a fork server (and so can have its own
     children forked cheaply, by the same server)."""
-    return _client is not None and _client.proc is None and _client.usable()
+    return _attached is not None and _attached.usable()
 
 
-def _connected() -> _Client | None:
-    """This process's server, started on first use (a forked copy of a process that had one
-    starts its own), or None if it cannot start."""
-    global _client
-    with _client_lock:
-        if _client is not None and _client.usable():
-            return _client
+def _connected(profile: str) -> _Client | None:
+    """In a forked child, its own server (whatever ``profile``: the child has its preloads);
+    else this process's server for ``profile``, started on first use (a forked copy of a
+    process that had one starts its own), or None if it cannot start."""
+    if profile not in PRELOADS:
+        raise ValueError(f"unknown fork server profile {profile!r}; known: {sorted(PRELOADS)}")
+    if attached():
+        return _attached
+    with _lock:
+        client = _servers.get(profile)
+        if client is not None and client.usable():
+            return client
         try:
-            _client = _Client.start()
+            _servers[profile] = client = _Client.start(profile)
         except OSError:
-            _client = None
-        return _client
+            _servers.pop(profile, None)
+            return None
+        return client
 
 
 class Forked:
@@ -184,17 +207,18 @@ class Forked:
 
 def start(
     kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
-    own_group: bool = True,
+    own_group: bool = True, profile: str = "torch",
 ) -> Forked | None:
     """Have the server fork ``python -c target`` (kind "code") or ``python -m target`` (kind
     "module") with ``args``, environment ``env`` (the whole of it) and ``cwd``; read it with
     ``collect``. ``own_group``: the child leads a new process group (``start_new_session``);
     otherwise it joins this process's group where it can (a child's ranks, killed with it).
+    ``profile``: the server's preloads (PRELOADS).
 
     None when the server cannot take the request (it could not start or has gone): the caller
     then spawns the child itself.
     """
-    client = _connected()
+    client = _connected(profile)
     if client is None:
         return None
     join = not own_group and os.getsid(0) == client.session
@@ -253,11 +277,11 @@ def collect(children: Sequence[Forked], timeout: float | None) -> list:
 
 def run(
     kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
-    timeout: float,
+    timeout: float, profile: str = "torch",
 ):
     """One child (``start``) read to its end (``collect``); None when the server cannot take
     it. It leads its own process group: a timeout kills it and what it started."""
-    child = start(kind, target, args, env, cwd)
+    child = start(kind, target, args, env, cwd, profile=profile)
     return None if child is None else collect([child], timeout)[0]
 
 
@@ -282,8 +306,8 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _preload() -> None:
-    for name in PRELOAD:
+def _preload(profile: str) -> None:
+    for name in PRELOADS[profile]:
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # optional and not installed: the children that need it skip
         try:
@@ -301,11 +325,11 @@ def _unsafe_to_fork() -> str | None:
     return None
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, profile: str) -> None:
     """The server's main loop (``fd``: its end of the client's socket pair). Each child gets a
     connection of its own to this loop; the server exits when the client's closes."""
     root = socket.socket(fileno=fd)
-    _preload()
+    _preload(profile)
     if (why := _unsafe_to_fork()) is not None:
         root.send(why.encode())
         return
@@ -370,11 +394,11 @@ def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int,
 
 def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     """Become the requested interpreter, run it, and exit as ``python -c`` / ``-m`` would."""
-    global _client
+    global _attached
     # A group of its own (a timeout kills what it starts, too) or its requester's (a rank).
     os.setpgid(0, request["group"] or 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    _client = _Client(conn, os.getsid(0), proc=None)  # what it starts is forked here too
+    _attached = _Client(conn, os.getsid(0), proc=None)  # what it starts is forked here too
     env = request["env"]
     _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
     os.environ.clear()

@@ -62,7 +62,7 @@ def run_isolated(
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
-    forkserver: bool = False,
+    forkserver: bool | str = False,
 ) -> IsolatedResult:
     """Run ``python -c code`` or ``python -m module`` with ``args`` in a new process.
 
@@ -72,7 +72,8 @@ def run_isolated(
 
     ``forkserver``: fork the child from this process's fork server (repro.harness.forkserver:
     torch and friends already imported) instead of starting an interpreter; for children that
-    need no fresh interpreter of their own. Spawned anyway where the server is unavailable or
+    need no fresh interpreter of their own. True: the "torch" profile, or a profile's name
+    (``forkserver.PRELOADS``). Spawned anyway where the server is unavailable or
     ``STACKFIX_FORKSERVER=0``.
     """
     if (code is None) == (module is None):
@@ -85,7 +86,8 @@ def run_isolated(
         child_env.update(env)
     if forkserver and forkserver_module.enabled():
         kind, target = ("code", code) if code is not None else ("module", module)
-        forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout)
+        forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout,
+                                       profile=_profile(forkserver))
         if forked is not None:
             return forked
     argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
@@ -134,7 +136,7 @@ def run_loopback_ranks(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
-    forkserver: bool = False,
+    forkserver: bool | str = False,
 ) -> list[IsolatedResult]:
     """Run ``argv`` once per rank, torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
     all on 127.0.0.1 with gloo bound to the loopback interface; wait for every rank.
@@ -157,7 +159,7 @@ def run_loopback_ranks(
         rank_env.update(env or {})
         rank_envs.append(rank_env)
     if forkserver and forkserver_module.enabled():
-        forked = _forked_ranks(argv, rank_envs, timeout, cwd)
+        forked = _forked_ranks(argv, rank_envs, timeout, cwd, _profile(forkserver))
         if forked is not None:
             return forked
     start = time.monotonic()
@@ -189,9 +191,13 @@ def run_loopback_ranks(
     return results
 
 
+def _profile(forkserver: bool | str) -> str:
+    return "torch" if forkserver is True else forkserver
+
+
 def _forked_ranks(
     argv: Sequence[str], envs: Sequence[Mapping[str, str]], timeout: float | None,
-    cwd: str | None,
+    cwd: str | None, profile: str,
 ) -> list[IsolatedResult] | None:
     """The ranks forked by the fork server; None when ``argv`` is not this Python's ``-c`` /
     ``-m`` or the server cannot take them (then they are spawned)."""
@@ -200,7 +206,8 @@ def _forked_ranks(
         return None
     ranks = []
     for env in envs:
-        rank = forkserver_module.start(kind, argv[2], argv[3:], env, cwd, own_group=False)
+        rank = forkserver_module.start(kind, argv[2], argv[3:], env, cwd, own_group=False,
+                                       profile=profile)
         if rank is None:  # the server has gone: end the ranks it started, spawn them all
             for started in ranks:
                 started.kill()
