@@ -92,6 +92,13 @@ def test_env_cwd_argv_and_sys_path_are_the_requests(tmp_path):
     assert forked.stdout.split()[:3] == [str(tmp_path), "v", "True"]
 
 
+def test_omp_num_threads_sizes_torchs_pool_as_when_spawned():
+    code = "import torch; print(torch.get_num_threads())"
+    for env in ({"OMP_NUM_THREADS": "1"}, {}):
+        forked, spawned = _both(code=code, env=env, timeout=120)
+        assert forked.ok and forked.stdout == spawned.stdout, (env, forked, spawned)
+
+
 def test_module_runs_as_main_with_its_argv(tmp_path):
     (tmp_path / "as_main.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
     forked, spawned = _both(module="as_main", args=["x"], cwd=str(tmp_path), timeout=120)

@@ -15,7 +15,8 @@ survive a fork. The server therefore
   datasets; ``JE_ARROW_MALLOC_CONF=background_thread:false``);
 * never runs a torch op and never initialises CUDA (it only imports; checked before every
   fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools start lazily in each
-  child, sized by the child's own environment (``OMP_NUM_THREADS``).
+  child, sized by the child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``
+  (``_set_torch_threads``: OpenMP itself read them when the server imported torch).
 
 How a child differs from ``python -c`` / ``python -m`` (none of it matters to a repro):
 
@@ -405,6 +406,7 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     os.environ.update(env)
     os.chdir(request["cwd"])
     _set_sys_path(request["kind"], env.get("PYTHONPATH", ""))
+    _set_torch_threads(env)
     import faulthandler
 
     faulthandler.disable()
@@ -429,6 +431,18 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
         code = 1
     _shut_down(code)
+
+
+def _set_torch_threads(env: Mapping[str, str]) -> None:
+    """torch's intra-op pool size as a spawned child would have it. OpenMP read the server's
+    environment when torch was imported; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
+    must still apply, or ranks side by side would each spin a pool of every core."""
+    torch = sys.modules.get("torch")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's own order
+        value = env.get(name, "")
+        if torch is not None and value.isdigit() and int(value) > 0:
+            torch.set_num_threads(int(value))
+            return
 
 
 def _exit_code(code: object) -> int:
