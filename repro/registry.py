@@ -2,8 +2,9 @@
 
 A repro module under ``repro/`` exposes ``REPROS: list[Repro]``. Each Repro names a
 function ``run(fixed: bool, device: str) -> None`` that performs the scenario in-process;
-the runner always calls it in a fresh interpreter (``python -m repro.child``), so a
-segfault or a CUDA fault ends that child only.
+the runner always calls it in a child process (``python -m repro.child``, forked from the fork
+server or spawned, as the Repro's ``forkserver`` says), so a segfault or a CUDA fault ends that
+child only.
 """
 
 from __future__ import annotations

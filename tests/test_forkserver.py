@@ -170,7 +170,7 @@ def test_a_forked_childs_ranks_are_forked_into_its_process_group():
 def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
     rank = (f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
             ".write(str(os.getpid())); time.sleep(60)")
-    r = run_isolated(code=RANKS.format(rank=rank), timeout=4, forkserver=forked)
+    r = run_isolated(code=RANKS.format(rank=rank), timeout=3, forkserver=forked)
     assert r.timed_out
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     for _ in range(50):

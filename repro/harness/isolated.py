@@ -1,5 +1,7 @@
-"""Run Python code in a fresh interpreter, so that a crash (SIGSEGV, CUDA illegal memory
-access, a hang) never takes down the caller: the repro runner and the crash tests use this."""
+"""Run Python code in a child process -- a fresh interpreter, or a fork of the fork server
+(repro.harness.forkserver) where the caller opts in -- so that a crash (SIGSEGV, CUDA illegal
+memory access, a hang) never takes down the caller: the repro runner and the crash tests use
+this."""
 
 from __future__ import annotations
 
