@@ -123,6 +123,17 @@ def test_timeout_kills_the_child_and_what_it_started(forked, tmp_path):
     assert not _alive(grandchild)
 
 
+@BOTH
+def test_output_held_open_by_what_the_child_started_times_out(forked):
+    # The child exits at once; the sleeper it started keeps its stdout open: subprocess's
+    # communicate() times out on that, and so must the fork server's client.
+    code = ("import subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n")
+    start = time.monotonic()
+    r = run_isolated(code=code, timeout=1.5, forkserver=forked)
+    assert r.timed_out and r.returncode is None and time.monotonic() - start < 30
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

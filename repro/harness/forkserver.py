@@ -176,8 +176,12 @@ class Forked:
         """SIGKILL the child (with its process group when it leads one)."""
         if "pid" not in self.reports:  # sent right after the fork: wait for it
             self.status.settimeout(10)
-            self._got(self.status.fileno(), self.status.recv(4096))
-            self.status.settimeout(None)
+            try:
+                self._got(self.status.fileno(), self.status.recv(4096))
+            except OSError:
+                pass  # no supervisor: nothing to kill
+            finally:
+                self.status.settimeout(None)
         try:
             if self.own_group:
                 os.killpg(self.reports["pid"], signal.SIGKILL)
@@ -245,33 +249,31 @@ def start(
 
 
 def collect(children: Sequence[Forked], timeout: float | None) -> list:
-    """Read every child's stdout, stderr and exit status until all have ended; those still
-    running ``timeout`` seconds after the first started are killed (``timed_out``). Returns
-    their IsolatedResults, in order."""
+    """Read every child's stdout, stderr and exit status until all have ended; those not
+    done ``timeout`` seconds after the first started (still running, or their output still
+    open in what they started) are killed (``timed_out``), as ``subprocess`` callers here do.
+    Returns their IsolatedResults, in order."""
     deadline = None if timeout is None else min(c.start for c in children) + timeout
-    owner = {}
     with selectors.DefaultSelector() as sel:
         for child in children:
             for fd in child.chunks:
-                sel.register(fd, selectors.EVENT_READ)
-                owner[fd] = child
+                sel.register(fd, selectors.EVENT_READ, data=child)
         while sel.get_map():
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = sel.select(wait)
             if not ready and deadline is not None:
                 deadline = None
-                for child in children:
-                    if "returncode" not in child.reports:
-                        child.timed_out = True
-                        child.kill()
+                for child in {key.data for key in sel.get_map().values()}:
+                    child.timed_out = True
+                    child.kill()
                 continue
             for key, _ in ready:
                 data = os.read(key.fd, 65536)
                 if data:
-                    owner[key.fd]._got(key.fd, data)
+                    key.data._got(key.fd, data)
                     continue
                 sel.unregister(key.fd)
-                if key.fd != owner[key.fd].status.fileno():
+                if key.fd != key.data.status.fileno():
                     os.close(key.fd)
     return [child.result() for child in children]
 
