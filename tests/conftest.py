@@ -39,8 +39,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     # ``-n auto`` starts one worker per core, and torch's intra-op pool defaults to every core:
     # each worker's in-process ops would then spin as many threads as the machine has, all
-    # workers at once (on 2 cores, the engine tests ran ~3x slower next to another worker).
-    # Children keep their default: this sets the worker's pool, not its environment.
+    # workers at once, next to the children and ranks the other workers run. Children keep
+    # their default: this sets the worker's pool, not its environment.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         import torch

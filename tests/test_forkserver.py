@@ -11,7 +11,7 @@ import time
 import pytest
 
 from repro import run_isolated
-from repro.harness import forkserver
+from repro.harness import forkserver, forkserver_process
 
 pytestmark = [
     pytest.mark.cpu,
@@ -150,12 +150,12 @@ def test_a_forked_child_leads_its_own_process_group_and_runs_single_threaded():
 
 
 def test_the_server_refuses_to_fork_with_a_second_thread_or_cuda(monkeypatch):
-    monkeypatch.setattr(forkserver, "_os_threads", lambda: 2)
-    assert forkserver._unsafe_to_fork() == "the fork server has 2 threads, not 1"
-    monkeypatch.setattr(forkserver, "_os_threads", lambda: 1)
+    monkeypatch.setattr(forkserver_process, "_os_threads", lambda: 2)
+    assert forkserver_process._unsafe_to_fork() == "the fork server has 2 threads, not 1"
+    monkeypatch.setattr(forkserver_process, "_os_threads", lambda: 1)
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert forkserver._unsafe_to_fork() == "CUDA is initialised in the fork server"
+    assert forkserver_process._unsafe_to_fork() == "CUDA is initialised in the fork server"
 
 
 RANKS = ("import os, sys, time\n"
