@@ -144,6 +144,7 @@ REPROS = [
         requires=("torchtitan",),
         timeout=_TIMEOUT,
         upstream="verl #6950, torchtitan #3565",
+        forkserver="torchtitan",  # its ranks import torchtitan: forked with it imported
     ),
 ]
 

@@ -266,6 +266,7 @@ REPROS = [
         devices=("cpu", "cuda"),
         timeout=300.0,
         upstream=_UPSTREAM,
+        forkserver=None,  # megatron from the checkout, not the installed megatron-core
     ),
     Repro(
         name="mtp-shape-megatron-dev-verl080",
@@ -277,5 +278,6 @@ REPROS = [
         devices=("cpu", "cuda"),
         timeout=300.0,
         upstream=_UPSTREAM,
+        forkserver=None,  # megatron from the checkout, not the installed megatron-core
     ),
 ]

@@ -2,8 +2,9 @@
 
 A repro module under ``repro/`` exposes ``REPROS: list[Repro]``. Each Repro names a
 function ``run(fixed: bool, device: str) -> None`` that performs the scenario in-process;
-the runner always calls it in a fresh interpreter (``python -m repro.child``), so a
-segfault or a CUDA fault ends that child only.
+the runner always calls it in a child process (``python -m repro.child``, forked from the fork
+server or spawned, as the Repro's ``forkserver`` says), so a segfault or a CUDA fault ends that
+child only.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ class Repro:
     # How the unfixed path fails under ``python -m repro --sanitize`` (fixes.sanitize names the
     # fault first, e.g. ReleasedStorageError instead of SIGSEGV). Empty: as without it.
     sanitized_signatures: tuple[Signature, ...] = ()
+    # The fork server profile its children are forked from (repro.harness.forkserver.PRELOADS:
+    # what is imported before the child starts); None: a fresh interpreter, for a child that
+    # imports a package the server preloads from elsewhere.
+    forkserver: str | None = "torch"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

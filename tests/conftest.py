@@ -1,7 +1,10 @@
 """Suite-wide rules: every test carries exactly one of the ``cpu`` / ``gpu`` markers, and
-``gpu`` tests skip (with the reason) where CUDA is absent instead of erroring."""
+``gpu`` tests skip (with the reason) where CUDA is absent instead of erroring. Under xdist each
+worker's torch takes its share of the cores."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -31,3 +34,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # ``-n auto`` starts one worker per core, and torch's intra-op pool defaults to every core:
+    # each worker's in-process ops would then spin as many threads as the machine has, all
+    # workers at once, next to the children and ranks the other workers run. Children keep
+    # their default: this sets the worker's pool, not its environment.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -128,7 +128,7 @@ def test_table_fits_its_width_and_keeps_names_whole():
 
 def test_cli_reports_a_skipped_repro_as_skipped_and_exits_3(tmp_path):
     out = tmp_path / "o.json"
-    res = run_isolated(module="repro", timeout=120,
+    res = run_isolated(module="repro", forkserver=True, timeout=120,
                        args=["--only", "mesh-recompute-device-thread", "--json", str(out)])
     assert res.returncode == 3, res.stderr
     assert "0 good, 0 bad, 1 skipped" in res.stdout and "no cpu variant" in res.stdout
@@ -137,7 +137,7 @@ def test_cli_reports_a_skipped_repro_as_skipped_and_exits_3(tmp_path):
 
 
 def test_cli_rejects_an_unwritable_json_path_before_running_anything(tmp_path):
-    res = run_isolated(module="repro", timeout=120,
+    res = run_isolated(module="repro", forkserver=True, timeout=120,
                        args=["--only", "mesh-recompute", "--json", str(tmp_path / "no" / "o.json")])
     assert res.returncode == 2 and "does not exist" in res.stderr and "[" not in res.stderr
 
@@ -159,13 +159,13 @@ def test_every_repro_declares_a_complete_contract():
 
 
 def test_cli_list_and_bad_arguments():
-    listed = run_isolated(module="repro", args=["--list"], timeout=120)
+    listed = run_isolated(module="repro", forkserver=True, args=["--list"], timeout=120)
     assert listed.ok, listed.stderr
     for name in discover():
         assert name in listed.stdout
-    nosuch = run_isolated(module="repro", args=["--only", "nosuch"], timeout=120)
+    nosuch = run_isolated(module="repro", forkserver=True, args=["--only", "nosuch"], timeout=120)
     assert nosuch.returncode == 2 and "unknown repro 'nosuch'" in nosuch.stderr
-    baddev = run_isolated(module="repro", args=["--device", "tpu"], timeout=120)
+    baddev = run_isolated(module="repro", forkserver=True, args=["--device", "tpu"], timeout=120)
     assert baddev.returncode == 2 and "allowed: cpu, cuda" in baddev.stderr
 
 
@@ -215,7 +215,7 @@ def test_a_failed_rank_passes_its_own_exception_to_the_child():
 
 def test_cli_sanitize_runs_children_under_the_sanitizers(tmp_path):
     out = tmp_path / "o.json"
-    res = run_isolated(module="repro", timeout=300,
+    res = run_isolated(module="repro", forkserver=True, timeout=300,
                        args=["--sanitize", "--only", "shared-view-reclaim", "--json", str(out)])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "under fixes.sanitize" in res.stdout and "(cpu, sanitized)" in res.stderr

@@ -49,7 +49,7 @@ ERROR_FRAGMENT = "requires an active mesh"  # shared by spmd_types 0.2.3 and 0.3
 @functools.cache
 def _matrix(device: str) -> dict:
     result = run_isolated(module="repro.mesh_recompute", args=["--matrix", "--device", device],
-                          timeout=300)
+                          timeout=300, forkserver=True)
     assert result.ok, f"matrix child failed: {result.describe()}\n{result.stderr[-4000:]}"
     cells = [json.loads(line[5:]) for line in result.stdout.splitlines()
              if line.startswith("CELL ")]

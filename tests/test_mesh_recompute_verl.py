@@ -29,7 +29,7 @@ def verl091():
 
 
 def _child(code: str):
-    return run_isolated(code=textwrap.dedent(code), timeout=240, cwd=REPO)
+    return run_isolated(code=textwrap.dedent(code), timeout=240, cwd=REPO, forkserver=True)
 
 
 def test_verl091_init_turns_multithreading_off_on_its_own_thread_only(verl091):

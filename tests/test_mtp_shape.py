@@ -35,7 +35,7 @@ def test_unfixed_view_error_follows_the_shapes(device):
         "from repro.mtp_shape import MTPShapeConfig, run\n"
         f"run(False, {device!r}, MTPShapeConfig(**{cfg!r}))\n"
     )
-    result = run_isolated(code=code, timeout=120)
+    result = run_isolated(code=code, timeout=120, forkserver=True)
     assert result.returncode == 1
     assert "shape '[8, 3, 4, 32]' is invalid for input of size 768" in result.stderr
     assert MTPShapeConfig(**cfg).crash_message == "shape '[8, 3, 4, 32]' is invalid for input of size 768"

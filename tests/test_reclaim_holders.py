@@ -87,7 +87,7 @@ def test_a_module_caching_its_recompute_input_keeps_it_readable():
         assert torch.equal(cache[0], expected) and torch.equal(cache[0].grad, expected_grad)
         print("EVENTS", [(e.role, e.action) for e in events])
     """)
-    res = run_isolated(code=code, timeout=120)
+    res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
     assert "EVENTS [('input', 'deferred'), ('input', 'kept')]" in res.stdout, res.stdout
 
@@ -156,6 +156,6 @@ def test_retain_graph_leaves_inputs_for_the_second_backward():
         assert torch.equal(h.grad, h_ref.grad) and _released(weak)
         print("EVENTS", [e.action for e in events])
     """)
-    res = run_isolated(code=code, timeout=120)
+    res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
     assert "EVENTS ['retained', 'released', 'dropped']" in res.stdout, res.stdout

@@ -203,7 +203,7 @@ def _run_batch_in_child(device: str, examples: int):
         "print('BATCH-OK')\n"
     )
     r = run_isolated(code=code, timeout=600, env={"STACKFIX_HYPOTHESIS_EXAMPLES": str(examples)},
-                     cwd=str(Path(__file__).parent.parent))
+                     cwd=str(Path(__file__).parent.parent), forkserver=True)
     assert r.ok and "BATCH-OK" in r.stdout, f"{r.describe()}\n{r.stderr[-4000:]}"
 
 
@@ -235,7 +235,7 @@ def test_the_batch_catches_verls_reclaim_mechanism():
         " kept=[False] * 5, leak=False, cache=False)\n"
         "t.check_reclaim_invariants(g)\n"
     )
-    r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent))
+    r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent), forkserver=True)
     assert not r.ok and (r.signal is not None or "AssertionError" in r.stderr), r.describe()
 
 

@@ -6,10 +6,14 @@ are not nested)."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from repro import run_isolated
 
 pytest_plugins = ("pytester",)
 pytestmark = pytest.mark.cpu
@@ -66,10 +70,17 @@ def _plugin_args() -> list[str]:
     return [] if installed else ["-p", PLUGIN]
 
 
-def _run(pytester, *args):
+def _run(pytester, *args) -> pytest.RunResult:
+    """An inner ``python -m pytest`` in pytester's directory, as ``runpytest_subprocess`` runs
+    it (that directory first on PYTHONPATH, its own basetemp), forked from the fork server."""
     pytester.makepyfile(test_inner=INNER_TESTS)
-    return pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider",
-                                         "-p", "no:xdist", *args)
+    pythonpath = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))
+    basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
+    r = run_isolated(module="pytest", args=[f"--basetemp={basetemp}", *_plugin_args(),
+                                            "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+                     cwd=str(pytester.path), env={"PYTHONPATH": pythonpath}, timeout=300,
+                     forkserver=True)
+    return pytest.RunResult(r.returncode, r.stdout.splitlines(), r.stderr.splitlines(), r.seconds)
 
 
 def test_entry_point_is_declared_in_pyproject():

@@ -85,7 +85,8 @@ for name, code in cases.items():
 
 
 def _run_cases(device: str, cases: dict) -> dict:
-    result = run_isolated(code=CHILD, args=[device, json.dumps(cases)], timeout=240, cwd=ROOT)
+    result = run_isolated(code=CHILD, args=[device, json.dumps(cases)], timeout=240, cwd=ROOT,
+                          forkserver=True)
     assert result.ok, f"{result.describe()}\n{result.stderr[-4000:]}"
     out = {}
     for line in result.stdout.splitlines():

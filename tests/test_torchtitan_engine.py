@@ -266,7 +266,7 @@ def test_smoke_runner_reports_each_cell_and_fails_on_a_failed_cell(tmp_path):
         module="repro.harness.engine_smoke",
         args=["--attn", "sdpa,flex_flash", "--ac", "none", "--steps", "2", "--json", str(out)],
         env={"STACKFIX_SMOKE_SEQ_LEN": "8"},
-        timeout=600,
+        timeout=600, forkserver="torchtitan",
     )
     rows = {r["cell"].split()[1]: r for r in json.loads(out.read_text())}
     assert rows["sdpa"]["status"] == "ok", rows["sdpa"]
@@ -334,7 +334,7 @@ def _run_tp2_clip(norm_kind: str, tmp_path, sp: bool = False) -> dict:
     ranks = run_loopback_ranks(
         [sys.executable, "-c", _TP2_CLIP_WORKER, norm_kind, "sp" if sp else "no-sp", str(out)], 2,
         timeout=300,
-        env={"OMP_NUM_THREADS": "1"}, cwd=str(Path(__file__).parent.parent),
+        env={"OMP_NUM_THREADS": "1"}, cwd=str(Path(__file__).parent.parent), forkserver="torchtitan",
     )
     assert all(r.ok for r in ranks), "\n".join(r.describe() + r.stderr[-3000:] for r in ranks)
     return json.loads(out.read_text())

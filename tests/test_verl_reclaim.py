@@ -33,7 +33,7 @@ def _child(code: str, timeout: float = 300):
     path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"),
                                        os.environ.get("PYTHONPATH", "")) if p)
     return run_isolated(code=textwrap.dedent(code), timeout=timeout, cwd=str(REPO),
-                        env={"PYTHONPATH": path})
+                        env={"PYTHONPATH": path}, forkserver=True)
 
 
 @pytest.mark.cpu

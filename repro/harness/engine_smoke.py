@@ -205,6 +205,7 @@ def _worker_main(cell_json: str) -> int:
 
 def _cell_main(cell_json: str) -> int:
     """Start one process per rank, torchrun-style, on 127.0.0.1; relay rank 0's result."""
+    from repro.harness import forkserver
     from repro.harness.isolated import run_loopback_ranks
 
     cell = Cell(**json.loads(cell_json))
@@ -212,7 +213,7 @@ def _cell_main(cell_json: str) -> int:
     # no timeout here: the parent's run_isolated timeout kills this process group
     ranks = run_loopback_ranks(
         [sys.executable, "-m", "repro.harness.engine_smoke", "--worker", cell_json],
-        cell.world_size, env=env,
+        cell.world_size, env=env, forkserver=forkserver.attached(),
     )
     for rank in ranks:
         sys.stdout.write(rank.stdout)
@@ -240,10 +241,12 @@ def _last_error_line(stderr: str) -> str:
 
 def run_cell(cell: Cell, timeout: float) -> dict:
     from repro import run_isolated
+    from repro.harness import forkserver
 
     start = time.monotonic()
+    # Forked by the fork server when this process was (a test runs the matrix so), else spawned.
     res = run_isolated(module="repro.harness.engine_smoke", args=["--cell", json.dumps(asdict(cell))],
-                       timeout=timeout)
+                       timeout=timeout, forkserver=forkserver.attached())
     row = {"cell": cell.label(), "seconds": round(time.monotonic() - start, 1)}
     result = _find(RESULT, res.stdout)
     if res.ok and result is not None:

@@ -1,5 +1,7 @@
-"""Run Python code in a fresh interpreter, so that a crash (SIGSEGV, CUDA illegal memory
-access, a hang) never takes down the caller: the repro runner and the crash tests use this."""
+"""Run Python code in a child process -- a fresh interpreter, or a fork of the fork server
+(repro.harness.forkserver) where the caller opts in -- so that a crash (SIGSEGV, CUDA illegal
+memory access, a hang) never takes down the caller: the repro runner and the crash tests use
+this."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from repro.harness import forkserver as forkserver_module
 
 
 @dataclass(frozen=True)
@@ -60,23 +64,36 @@ def run_isolated(
     timeout: float = 300.0,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    forkserver: bool | str = False,
 ) -> IsolatedResult:
     """Run ``python -c code`` or ``python -m module`` with ``args`` in a new process.
 
     Exactly one of ``code`` and ``module`` is given. ``env`` entries are added to (not
     replacing) the current environment. A child still running after ``timeout`` seconds is
     killed with its whole process group and reported as ``timed_out``.
+
+    ``forkserver``: fork the child from this process's fork server (repro.harness.forkserver:
+    torch and friends already imported) instead of starting an interpreter; for children that
+    need no fresh interpreter of their own. True: the "torch" profile, or a profile's name
+    (``forkserver.PRELOADS``). Spawned anyway where the server is unavailable or
+    ``STACKFIX_FORKSERVER=0``.
     """
     if (code is None) == (module is None):
         raise ValueError("run_isolated needs exactly one of code= or module=")
-    argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
-    argv += list(args)
     child_env = dict(os.environ)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     # A child dumping core on SIGSEGV is the expected outcome of a crash repro, not news.
     child_env.setdefault("PYTHONFAULTHANDLER", "1")
     if env:
         child_env.update(env)
+    if forkserver and forkserver_module.enabled():
+        kind, target = ("code", code) if code is not None else ("module", module)
+        forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout,
+                                       profile=_profile(forkserver))
+        if forked is not None:
+            return forked
+    argv = [sys.executable, "-c", code] if code is not None else [sys.executable, "-m", module]
+    argv += list(args)
     start = time.monotonic()
     proc = subprocess.Popen(
         argv,
@@ -121,16 +138,18 @@ def run_loopback_ranks(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    forkserver: bool | str = False,
 ) -> list[IsolatedResult]:
     """Run ``argv`` once per rank, torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
     all on 127.0.0.1 with gloo bound to the loopback interface; wait for every rank.
 
     ``env`` entries are added to each rank's environment. Ranks still running after
     ``timeout`` seconds (None: no limit) are killed and reported as ``timed_out``.
+    ``forkserver``: ranks of ``[sys.executable, "-c" | "-m", ...]`` are forked by the fork
+    server (in the caller's process group where it is the server's child), as in run_isolated.
     """
     port = free_loopback_port()
-    start = time.monotonic()
-    procs = []
+    rank_envs = []
     for rank in range(world_size):
         rank_env = dict(
             os.environ,
@@ -140,6 +159,14 @@ def run_loopback_ranks(
             GLOO_SOCKET_IFNAME="lo",
         )
         rank_env.update(env or {})
+        rank_envs.append(rank_env)
+    if forkserver and forkserver_module.enabled():
+        forked = _forked_ranks(argv, rank_envs, timeout, cwd, _profile(forkserver))
+        if forked is not None:
+            return forked
+    start = time.monotonic()
+    procs = []
+    for rank_env in rank_envs:
         procs.append(subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=rank_env, cwd=cwd,
@@ -164,3 +191,29 @@ def run_loopback_ranks(
             if proc.poll() is None:
                 proc.kill()
     return results
+
+
+def _profile(forkserver: bool | str) -> str:
+    return "torch" if forkserver is True else forkserver
+
+
+def _forked_ranks(
+    argv: Sequence[str], envs: Sequence[Mapping[str, str]], timeout: float | None,
+    cwd: str | None, profile: str,
+) -> list[IsolatedResult] | None:
+    """The ranks forked by the fork server; None when ``argv`` is not this Python's ``-c`` /
+    ``-m`` or the server cannot take them (then they are spawned)."""
+    kind = {"-c": "code", "-m": "module"}.get(argv[1]) if len(argv) > 2 else None
+    if argv[0] != sys.executable or kind is None:
+        return None
+    ranks = []
+    for env in envs:
+        rank = forkserver_module.start(kind, argv[2], argv[3:], env, cwd, own_group=False,
+                                       profile=profile)
+        if rank is None:  # the server has gone: end the ranks it started, spawn them all
+            for started in ranks:
+                started.kill()
+            forkserver_module.collect(ranks, None)
+            return None
+        ranks.append(rank)
+    return forkserver_module.collect(ranks, timeout)

@@ -43,13 +43,16 @@ def run_rank_workers(module: str, fixed: bool, world: int, timeout: float,
     import os
     import tempfile
 
+    from repro.harness import forkserver
     from repro.harness.isolated import run_loopback_ranks
 
     with tempfile.TemporaryDirectory(prefix="stackfix-ranks-") as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, "-m", module, "--worker", "--fixed" if fixed else "--unfixed",
                 *extra_args, "--out", out]
-        ranks = run_loopback_ranks(argv, world, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
+        # Forked by the fork server when this child was (its server is at hand); else spawned.
+        ranks = run_loopback_ranks(argv, world, timeout=timeout, env={"OMP_NUM_THREADS": "1"},
+                                   forkserver=forkserver.attached())
         for rank in ranks:
             sys.stderr.write(rank.stderr)
         raise_for_ranks(ranks)

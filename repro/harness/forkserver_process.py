@@ -1,0 +1,222 @@
+"""The fork server process (repro.harness.forkserver has the why and the protocol): its loop,
+the supervisor each request gets, and what a forked child does before it runs its target: the
+request's stdio, environment, working directory, sys.path and torch thread count, then the
+Python-level part of interpreter shutdown."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Mapping
+
+from repro.harness import forkserver
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _preload(profile: str) -> None:
+    for name in forkserver.PRELOADS[profile]:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue  # optional and not installed: the children that need it skip
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # a child importing it sees the same error itself
+
+
+def _unsafe_to_fork() -> str | None:
+    if (n := _os_threads()) != 1:
+        return f"the fork server has {n} threads, not 1"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialised in the fork server"
+    return None
+
+
+def serve(fd: int, profile: str) -> None:
+    """The server's main loop (``fd``: its end of the client's socket pair). Each child gets a
+    connection of its own to this loop; the server exits when the client's closes."""
+    root = socket.socket(fileno=fd)
+    _preload(profile)
+    if (why := _unsafe_to_fork()) is not None:
+        root.send(why.encode())
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    root.send(b"ready")
+    with selectors.DefaultSelector() as sel:
+        sel.register(root, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                conn = key.fileobj
+                message, fds, _, _ = socket.recv_fds(conn, forkserver.MAX_MESSAGE, 3)
+                if message:
+                    _fork_request(json.loads(message), fds, sel)
+                elif conn is root:
+                    return  # the client has gone
+                else:
+                    sel.unregister(conn)  # a child has ended
+                    conn.close()
+
+
+def _fork_request(request: dict, fds: list[int], sel: selectors.BaseSelector) -> None:
+    status = socket.socket(fileno=fds[0])
+    if (why := _unsafe_to_fork()) is not None:
+        status.sendall(json.dumps({"error": why}).encode() + b"\n")
+    else:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.fork() == 0:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+            sel.close()
+            mine.close()
+            _supervise(request, status, fds[1], fds[2], theirs)  # never returns
+        theirs.close()
+        sel.register(mine, selectors.EVENT_READ)
+    status.close()
+    os.close(fds[1])
+    os.close(fds[2])
+
+
+def _supervise(request: dict, status: socket.socket, out_w: int, err_w: int,
+               conn: socket.socket) -> None:
+    """Fork the child, report its pid and then its exit status, and exit."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid needs its child kept for it
+    pid = os.fork()
+    if pid == 0:
+        status.close()
+        _child(request, out_w, err_w, conn)
+    conn.close()
+    if request["group"] is None:
+        try:  # as the child does: its group exists before the client can signal it
+            os.setpgid(pid, pid)
+        except OSError:
+            pass  # it has already ended
+    try:
+        status.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, wait_status = os.waitpid(pid, 0)
+        status.sendall(json.dumps(
+            {"returncode": os.waitstatus_to_exitcode(wait_status)}).encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
+    """Become the requested interpreter, run it, and exit as ``python -c`` / ``-m`` would."""
+    # A group of its own (a timeout kills what it starts, too) or its requester's (a rank).
+    os.setpgid(0, request["group"] or 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    forkserver.attach(conn)  # what it starts is forked by this server too
+    env = request["env"]
+    _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    _set_sys_path(request["kind"], env.get("PYTHONPATH", ""))
+    _set_torch_threads(env)
+    import faulthandler
+
+    faulthandler.disable()
+    if env.get("PYTHONFAULTHANDLER", ""):
+        faulthandler.enable()
+    try:
+        if request["kind"] == "module":
+            import runpy
+
+            sys.argv = [request["target"], *request["args"]]  # runpy sets [0] to the file
+            runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *request["args"]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(request["target"], "<string>", "exec"), main.__dict__)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - reported as the interpreter reports it
+        # from the target's frames on: this function's own frame is no part of the child's run
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        code = 1
+    _shut_down(code)
+
+
+def _set_torch_threads(env: Mapping[str, str]) -> None:
+    """torch's intra-op pool size as a spawned child would have it. OpenMP read the server's
+    environment when torch was imported; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
+    must still apply, or ranks side by side would each spin a pool of every core."""
+    torch = sys.modules.get("torch")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's own order
+        value = env.get(name, "")
+        if torch is not None and value.isdigit() and int(value) > 0:
+            torch.set_num_threads(int(value))
+            return
+
+
+def _exit_code(code: object) -> int:
+    """The exit status ``SystemExit(code)`` gives (a non-int is printed, status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _shut_down(code: int) -> None:
+    """The Python-level steps of interpreter shutdown, then ``os._exit``: non-daemon threads
+    joined, atexit handlers run, stdio flushed. The C-level teardown (a full collection and
+    module teardown over every preloaded object, ~1.4 s) is skipped: a child's outcome is
+    decided before it."""
+    threading._shutdown()  # what Py_FinalizeEx calls first: wait for non-daemon threads
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _redirect_stdio(out_w: int, err_w: int, unbuffered: bool) -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    for src, dst in ((null, 0), (out_w, 1), (err_w, 2)):
+        os.dup2(src, dst)
+        os.close(src)
+
+    def text(fd: int, like: io.TextIOWrapper, line_buffering: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding=like.encoding, errors=like.errors,
+                                line_buffering=line_buffering, write_through=unbuffered)
+
+    # As the interpreter sets them up for pipes: stdout block-buffered, stderr line-buffered.
+    sys.stdout = sys.__stdout__ = text(1, sys.__stdout__, line_buffering=False)
+    sys.stderr = sys.__stderr__ = text(2, sys.__stderr__, line_buffering=True)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+
+
+# sys.path as the server started with it: [path0, *PYTHONPATH entries, *the rest].
+_SERVER_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(
+    os.pathsep) if p]
+
+
+def _set_sys_path(kind: str, pythonpath: str) -> None:
+    """``sys.path`` as the interpreter would build it for this request: the working directory
+    ("" for -c, its absolute path for -m), the request's PYTHONPATH, then the installation's."""
+    rest = sys.path[1 + len(_SERVER_PYTHONPATH):]
+    entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+    sys.path[:] = ["" if kind == "code" else os.getcwd(), *entries, *rest]
+    importlib.invalidate_caches()
