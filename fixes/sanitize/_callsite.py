@@ -1,11 +1,14 @@
 """Where a call came from: a short Python stack of ``file:line in function`` entries, innermost
-first, that skips torch's own frames and the sanitizers' (the caller is what a reader needs)."""
+first, that skips torch's own frames and the sanitizers' (the caller is what a reader needs);
+and the one-at-a-time slot each sanitizer is entered through, which names where the active one
+was entered."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import threading
 
 import torch
 
@@ -43,3 +46,30 @@ def call_site(depth: int = 4) -> tuple[str, ...]:
 
 def describe_site(site: tuple[str, ...]) -> str:
     return " <- ".join(site) if site else "(no Python caller outside torch)"
+
+
+class ActiveSlot:
+    """At most one active sanitizer of a kind: ``claim`` it on entry (RuntimeError naming where
+    the active one was entered, if any), ``release`` it on exit."""
+
+    def __init__(self, name: str):
+        self.name = name  # e.g. "storage_sanitizer()"
+        self._lock = threading.Lock()
+        self._entry: tuple[object, tuple[str, ...]] | None = None
+
+    def claim(self, sanitizer: object, site: tuple[str, ...]) -> None:
+        with self._lock:
+            if self._entry is not None:
+                raise RuntimeError(
+                    f"{self.name} is already active (entered at {describe_site(self._entry[1])}); "
+                    "it cannot be nested or entered twice at once"
+                )
+            self._entry = (sanitizer, site)
+
+    def release(self) -> None:
+        with self._lock:
+            self._entry = None
+
+    def holds(self, sanitizer: object) -> bool:
+        entry = self._entry
+        return entry is not None and entry[0] is sanitizer

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fixes.sanitize._callsite import call_site, describe_site
+from fixes.sanitize._callsite import ActiveSlot, call_site, describe_site
 
 __all__ = ["MeshLostError", "MeshSanitizer", "mesh_sanitizer"]
 
@@ -111,7 +111,7 @@ class MeshSanitizer:
 
     def _on(self) -> bool:
         """Wrappers left behind (e.g. restored by a test's monkeypatch) pass calls through."""
-        return _active is not None and _active[0] is self
+        return _slot.holds(self)
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -244,8 +244,7 @@ class _InstallingLoader(importlib.abc.Loader):
         return getattr(self.inner, name)
 
 
-_active: tuple[MeshSanitizer, tuple[str, ...]] | None = None
-_active_lock = threading.Lock()
+_slot = ActiveSlot("mesh_sanitizer()")
 
 
 def _require_spmd_types():
@@ -264,20 +263,13 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
     mesh during backward / checkpoint recompute raises ``MeshLostError`` (see the module
     docstring). Needs spmd_types (ModuleNotFoundError naming it otherwise); torchtitan's seam
     is wrapped where torchtitan is installed. Not reentrant: RuntimeError if already active."""
-    global _active
     spmd_types = _require_spmd_types()
     if not hasattr(torch._C, "_current_graph_task_id"):
         raise RuntimeError(f"mesh_sanitizer() needs torch._C._current_graph_task_id "
                            f"(torch {torch.__version__} lacks it)")
     here = call_site()
-    with _active_lock:
-        if _active is not None:
-            raise RuntimeError(
-                "mesh_sanitizer() is already active (entered at "
-                f"{describe_site(_active[1])}); it cannot be nested or entered twice at once"
-            )
-        sanitizer = MeshSanitizer()
-        _active = (sanitizer, here)
+    sanitizer = MeshSanitizer()
+    _slot.claim(sanitizer, here)
     lookups = [_Seam(spmd_types.__name__, name, sanitizer.wrap_lookup, skip_prefix="spmd_types.")
                for name in _LOOKUPS]
     titan = _Seam(_TITAN_MODULE, _TITAN_REDISTRIBUTE, sanitizer.wrap_redistribute)
@@ -304,5 +296,4 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
             for seam in seams:
                 seam.uninstall()
         finally:
-            with _active_lock:
-                _active = None
+            _slot.release()

@@ -30,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from fixes.sanitize._callsite import call_site, describe_site
+from fixes.sanitize._callsite import ActiveSlot, call_site, describe_site
 
 __all__ = ["ReleasedStorageError", "StorageRelease", "StorageSanitizer", "storage_sanitizer"]
 
@@ -211,8 +211,7 @@ def _guarded(sanitizer: StorageSanitizer, name: str, original):
 
 
 _MISSING = object()
-_active: tuple[StorageSanitizer, tuple[str, ...]] | None = None
-_active_lock = threading.Lock()
+_slot = ActiveSlot("storage_sanitizer()")
 
 
 @contextlib.contextmanager
@@ -220,16 +219,9 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
     """While active, an op that touches a tensor whose storage was released (``resize_`` to
     fewer bytes than it needs) raises ``ReleasedStorageError`` naming the op, the tensor and
     the release site. Not reentrant: entering it while it is active raises RuntimeError."""
-    global _active
     here = call_site()
-    with _active_lock:
-        if _active is not None:
-            raise RuntimeError(
-                "storage_sanitizer() is already active (entered at "
-                f"{describe_site(_active[1])}); it cannot be nested or entered twice at once"
-            )
-        sanitizer = StorageSanitizer()
-        _active = (sanitizer, here)
+    sanitizer = StorageSanitizer()
+    _slot.claim(sanitizer, here)
     original = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
@@ -253,8 +245,7 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
         try:
             _restore(saved)
         finally:
-            with _active_lock:
-                _active = None
+            _slot.release()
 
 
 def _restore(saved) -> None:
