@@ -56,12 +56,12 @@ def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
     """One child per (device, model, strategy) and session, every size and dtype in it."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     if strategy.startswith("verl-"):
-        from repro.verl_release import release_dir
+        from repro.verl_release import missing_release
 
         version = strategy.removeprefix("verl-")
-        if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
-            pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
-                        "(python -m repro.verl_release install)")
+        why = missing_release(version)
+        if why is not None:
+            pytest.skip(why)
     plan = PLAN[device]
     cells = book.get(("megatron-scale", device, model, strategy), lambda: ms.cells_in_child(
         model, strategy, device, plan["sizes"], plan["dtypes"], plan["steps"]))

@@ -50,6 +50,7 @@ __all__ = [
     "import_verl",
     "install",
     "loaded_version",
+    "missing_release",
     "release_dir",
     "released_function",
     "require_release",
@@ -79,17 +80,24 @@ def release_dir(version: str, root: Path | None = None) -> Path:
     return (verl_root() if root is None else Path(root)) / version
 
 
-def require_release(version: str) -> Path:
-    """The directory of release ``version``; VerlUnavailable if it is not installed."""
+def missing_release(version: str) -> str | None:
+    """Why release ``version`` cannot be used (not installed, and how to install it), or None:
+    the reason tests and benchmarks skip with."""
     where = release_dir(version)
-    if not (where / "verl" / "__init__.py").is_file() or not (
+    if (where / "verl" / "__init__.py").is_file() and (
         where / f"verl-{version}.dist-info"
     ).is_dir():
-        raise VerlUnavailable(
-            f"verl {version} is not installed under {where.parent} (${ENV_ROOT}); install it with "
-            f"`python -m repro.verl_release install --root {where.parent} {version}`"
-        )
-    return where
+        return None
+    return (f"verl {version} is not installed under {where.parent} (${ENV_ROOT}); install it with "
+            f"`python -m repro.verl_release install --root {where.parent} {version}`")
+
+
+def require_release(version: str) -> Path:
+    """The directory of release ``version``; VerlUnavailable if it is not installed."""
+    why = missing_release(version)
+    if why is not None:
+        raise VerlUnavailable(why)
+    return release_dir(version)
 
 
 class _ReleaseFinder(importlib.abc.MetaPathFinder):

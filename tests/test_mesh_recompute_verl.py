@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from repro import run_isolated
-from repro.verl_release import release_dir
+from repro.verl_release import missing_release, release_dir
 
 pytestmark = pytest.mark.cpu
 REPO = str(Path(__file__).parent.parent)
@@ -23,9 +23,9 @@ REPO = str(Path(__file__).parent.parent)
 @pytest.fixture
 def verl091():
     pytest.importorskip("torchtitan.distributed.parallel_dims")
-    if not (release_dir("0.9.1") / "verl-0.9.1.dist-info").is_dir():
-        pytest.skip(f"verl 0.9.1 not installed under {release_dir('0.9.1').parent} "
-                    "(python -m repro.verl_release install)")
+    why = missing_release("0.9.1")
+    if why is not None:
+        pytest.skip(why)
 
 
 def _child(code: str):
@@ -65,8 +65,9 @@ def test_verl091_init_is_the_released_function():
     from repro.mesh_recompute_verl import VERL_INIT, VERL_MODULE, VERL_VERSION
     from repro.verl_release import released_function
 
-    if not (release_dir(VERL_VERSION) / f"verl-{VERL_VERSION}.dist-info").is_dir():
-        pytest.skip(f"verl {VERL_VERSION} not installed (python -m repro.verl_release install)")
+    why = missing_release(VERL_VERSION)
+    if why is not None:
+        pytest.skip(why)
     import torch
 
     init = released_function(VERL_VERSION, VERL_MODULE, VERL_INIT,

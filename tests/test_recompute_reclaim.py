@@ -36,7 +36,7 @@ from fixes.megatron import (
 from repro import run_isolated
 from repro.harness.leaks import ModuleStateLeak
 from repro.shared_view_reclaim import ViewlessAlias, install_reclaim
-from repro.verl_release import release_dir
+from repro.verl_release import missing_release
 
 TARGET = tcp.CheckpointFunction
 EXAMPLES = int(os.environ.get("STACKFIX_HYPOTHESIS_EXAMPLES", "500"))
@@ -396,9 +396,9 @@ def _skip_unless_memcheck_can_run(name: str) -> None:
 
 
 def _need_verl(version: str) -> None:
-    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
-        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
-                    "(python -m repro.verl_release install)")
+    why = missing_release(version)
+    if why is not None:
+        pytest.skip(why)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from repro import run_isolated
-from repro.verl_release import release_dir
+from repro.verl_release import missing_release, release_dir
 
 REPO = Path(__file__).parent.parent
 DEVICES = [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -22,9 +22,9 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", mark
 
 def _need(version: str) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
-    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
-        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
-                    "(python -m repro.verl_release install)")
+    why = missing_release(version)
+    if why is not None:
+        pytest.skip(why)
 
 
 def _child(code: str, timeout: float = 300):

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from repro import run_isolated
-from repro.verl_release import ENV_ROOT, RELEASES, VerlUnavailable, release_dir
+from repro.verl_release import (
+    ENV_ROOT,
+    RELEASES,
+    VerlUnavailable,
+    missing_release,
+    release_dir,
+)
 
 pytestmark = pytest.mark.cpu
 REPO = str(Path(__file__).parent.parent)
@@ -74,9 +80,9 @@ def test_missing_release_says_how_to_install(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_real_release_patch_module_imports_without_verl_dependencies(version):
-    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
-        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
-                    f"(python -m repro.verl_release install)")
+    why = missing_release(version)
+    if why is not None:
+        pytest.skip(why)
     r = _child(f"""
         import sys
         from repro.verl_release import import_verl

@@ -294,11 +294,11 @@ def _verl_child(version: str, body: str):
     from textwrap import dedent
 
     from repro import run_isolated
-    from repro.verl_release import release_dir
+    from repro.verl_release import missing_release
 
-    if not (release_dir(version) / f"verl-{version}.dist-info").is_dir():
-        pytest.skip(f"verl {version} not installed under {release_dir(version).parent} "
-                    "(python -m repro.verl_release install)")
+    why = missing_release(version)
+    if why is not None:
+        pytest.skip(why)
     repo = Path(__file__).resolve().parent.parent
     code = "from repro.verl_release import import_verl\n" + dedent(body)
     return run_isolated(code=code, timeout=300, cwd=str(repo),
