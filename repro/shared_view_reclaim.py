@@ -243,13 +243,6 @@ def _run(
     model.mtp.leak.clear()
 
     install_reclaim(variant, target)
-    if variant == "alias-aware":
-        # One step first, so that what a first call does once (lazy imports and
-        # initialisation, which under compute-sanitizer kept the calling frames -- and the
-        # step's tensors -- alive) does not decide the measured step.
-        shared_view_step(model, x, checkpoint, make_viewless)
-        model.zero_grad(set_to_none=True)
-        model.mtp.leak.clear()
     with recompute_reclaim_events() as events:
         shared_view_step(model, x, checkpoint, make_viewless)
         if device == "cuda":

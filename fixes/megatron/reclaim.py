@@ -13,10 +13,11 @@ This module *wraps* the installed backward (no copy of its body) and releases a 
 when nothing that can still read it is alive. Readers are: other tensors on the storage (views,
 chunks, ``.data`` aliases: ``is_storage_exclusive``), C++ holders of the input (a node that saved
 it for a later backward), and Python references to the input *or* to the checkpoint's detached
-copy (a module caching its recompute input). Not a reader: the recompute graph, whose backward
-has run, holding the detached copy and its ``.grad`` through its ``AccumulateGrad`` node. That
-is the leak (Megatron-LM #3221 / #5197, #5227: a module attribute keeps a recompute intermediate
-alive, and with it that graph), so the savings are kept:
+copy (a module caching its recompute input; also a tool keeping the recompute's frames alive,
+as compute-sanitizer's host backtraces do: their locals hold the copy). Not a reader: the
+recompute graph, whose backward has run, holding the detached copy and its ``.grad`` through its
+``AccumulateGrad`` node. That is the leak (Megatron-LM #3221 / #5197, #5227: a module attribute
+keeps a recompute intermediate alive, and with it that graph), so the savings are kept:
 
 * an input only the checkpoint and its recompute graph hold is released right after the wrapped
   backward returns, as verl's reclaim does; the detached copy's ``.grad`` slot is emptied (the
