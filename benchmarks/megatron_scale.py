@@ -5,8 +5,10 @@ inputs and grads alive after backward (Megatron-LM #3221; verl #5251 frees them;
 #5197 fixed one cause on main, #5227 another: DeepEP's ``token_probs`` left on the dispatcher,
 holding the recompute graph and through it the checkpoint's detached input and its grad).
 
-Models (megatron-core ``GPTModel``, local spec, world size 1, 4 layers, full uniform
-recompute of 1 layer, batch 1; fp32, or bf16 through megatron's ``Float16Module``):
+Models (megatron-core ``GPTModel``, local spec, world size 1 -- or, with ``--ep N``, N ranks with
+the experts split over them (expert parallelism, one GPU per rank; rank 0's figures) --, 4
+layers, full uniform recompute of 1 layer, batch 1; fp32, or bf16 through megatron's
+``Float16Module``):
 
 - ``moe``: 8 experts, top-2, the ``allgather`` (or ``--dispatcher alltoall``) dispatcher, no
   linear biases -- as megatron ships it.
@@ -76,6 +78,7 @@ class Cell:
     seq: int
     dtype: str
     device: str = "cuda"
+    expert_parallel: int = 1  # ranks the experts are split over (rank 0's figures)
     model_bytes: int = 0  # the built model and batch: what the figures below are above
     peak_bytes: int = 0
     # what tensors asked for at the peak (no allocator rounding): tells a real difference in
@@ -333,13 +336,14 @@ def _measure(cell: Cell, steps: int, device: str, trace: bool = False,
 
 
 def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dtypes,
-              device: str = "cuda", trace: bool = False) -> list[Cell]:
-    """Inside the child: one strategy and model, every size and dtype."""
+              device: str = "cuda", trace: bool = False, ep: int = 1) -> list[Cell]:
+    """Inside the child (one rank of it with ``ep`` > 1): one strategy and model, every size and
+    dtype."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from repro.shared_view_reclaim import install_reclaim, setup_megatron
 
-    setup_megatron(device)
+    setup_megatron(device, expert_parallel=ep)
     if device == "cpu":
         from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
 
@@ -352,7 +356,7 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
     for hidden, seq in sizes:
         for dtype in dtypes:
             cell = Cell(model, strategy, dispatcher if model.startswith("moe") else "-",
-                        hidden, seq, dtype, device)
+                        hidden, seq, dtype, device, ep)
             try:
                 _measure(cell, steps, device, trace, install)
                 gc.collect()  # the model of this cell goes before the next is built
@@ -363,16 +367,23 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
 
 
 def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps: int,
-                   dispatcher: str = "allgather", trace: bool = False) -> list[dict]:
-    """``run_child`` in a fresh interpreter (one verl release per process): its cells as dicts,
-    or one cell with ``error`` (no ``hidden``) saying why the child produced none."""
-    from repro.harness.isolated import run_isolated
+                   dispatcher: str = "allgather", trace: bool = False, ep: int = 1) -> list[dict]:
+    """``run_child`` in a fresh interpreter (one verl release per process; ``ep`` > 1: one per
+    rank, rank 0's cells): its cells as dicts, or one cell with ``error`` (no ``hidden``) saying
+    why the child produced none."""
+    from repro.harness.isolated import run_isolated, run_loopback_ranks
 
     size_arg = ",".join(f"{h}x{s}" for h, s in sizes)
-    res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=[
-        "--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
-        "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
-        *(["--trace"] if trace else [])])
+    args = ["--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
+            "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
+            "--ep", str(ep), *(["--trace"] if trace else [])]
+    if ep == 1:
+        res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=args)
+    else:
+        ranks = run_loopback_ranks([sys.executable, "-m", "benchmarks.megatron_scale", *args], ep,
+                                   timeout=900, env={"OMP_NUM_THREADS": "1"})
+        # a failed rank's collectives hang or fail the others: report the failed one
+        res = next((r for r in ranks if not r.ok), ranks[0])
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("CELLS ")]
     if line:
         return json.loads(line[-1][len("CELLS "):])
@@ -399,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(f"{h}x{s}" for h, s in SIZES),
                    help="hidden x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell (median)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (MoE models; CUDA: one GPU each); divides 8")
     p.add_argument("--out", help="write every cell as JSON")
     p.add_argument("--trace", action="store_true",
                    help="record the measured step's allocations; report the sites live at its peak")
@@ -411,9 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     except ValueError:
         raise SystemExit(f"error: --sizes {args.sizes!r}: expected e.g. 1024x2048,2048x4096") from None
+    if args.ep < 1 or 8 % args.ep:
+        raise SystemExit(f"error: --ep {args.ep}: allowed 1, 2, 4, 8 (it splits the 8 experts)")
+    if args.ep > 1 and any(not m.startswith("moe") for m in ([args.child[0]] if args.child else models)):
+        raise SystemExit(f"error: --ep {args.ep} needs MoE models only: --models "
+                         f"{','.join(m for m in MODELS if m.startswith('moe'))}")
     if args.child:
         cells = run_child(*args.child, args.dispatcher, args.steps, sizes, dtypes, args.device,
-                          args.trace)
+                          args.trace, args.ep)
         print("CELLS " + json.dumps([asdict(c) for c in cells]), flush=True)
         return 0
 
@@ -421,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         for strategy in strategies:
             got = cells_in_child(model, strategy, args.device, sizes, dtypes, args.steps,
-                                 args.dispatcher, args.trace)
+                                 args.dispatcher, args.trace, args.ep)
             cells.extend(got)
             done = "hidden" in got[-1]
             print(_row(got[-1]) if done else f"{model} {strategy}: {got[-1]['error']}",
@@ -435,28 +453,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _row(c: dict) -> str:
     return (f"{c['model']:15} {c['strategy']:11} {c.get('dispatcher', ''):9} "
-            f"{c.get('hidden', '')}x{c.get('seq', '')} {c.get('dtype', '')}")
+            f"ep{c.get('expert_parallel', 1)} {c.get('hidden', '')}x{c.get('seq', '')} "
+            f"{c.get('dtype', '')}")
 
 
 def table(cells: list[dict]) -> str:
-    """Per (model, dispatcher, size, dtype): each strategy's peak, retained, step time, and
-    the ratios to ``none`` (measured side by side in one run)."""
-    lines = ["model           dispatch  size       dtype strategy     peak MiB  /none   "
+    """Per (model, dispatcher, expert-parallel ranks, size, dtype): each strategy's peak,
+    retained, step time, and the ratios to ``none`` (measured side by side in one run)."""
+    lines = ["model           dispatch  ep size       dtype strategy     peak MiB  /none   "
              "req. MiB  retained MiB  step ms  /none  error"]
+
+    def key(c: dict) -> tuple:
+        return (c["model"], c["dispatcher"], c.get("expert_parallel", 1), c["hidden"], c["seq"],
+                c["dtype"])
+
     ref = {}
     for c in cells:
         if c.get("strategy") == "none" and not c.get("error"):
-            ref[(c["model"], c["dispatcher"], c["hidden"], c["seq"], c["dtype"])] = c
+            ref[key(c)] = c
     for c in cells:
         if "hidden" not in c:
-            lines.append(f"{c['model']:15} {'':9} {'':10} {'':5} {c['strategy']:12} error: "
+            lines.append(f"{c['model']:15} {'':9} {'':2} {'':10} {'':5} {c['strategy']:12} error: "
                          f"{c['error']}")
             continue
-        r = ref.get((c["model"], c["dispatcher"], c["hidden"], c["seq"], c["dtype"]))
+        r = ref.get(key(c))
         pk = f"{c['peak_bytes'] / r['peak_bytes']:.4f}" if r and r["peak_bytes"] else "-"
         st = f"{c['step_time_ratio']:.3f}" if c.get("step_time_ratio") else "-"
         lines.append(
-            f"{c['model']:15} {c['dispatcher']:9} {c['hidden']}x{c['seq']:<5} {c['dtype']:5} "
+            f"{c['model']:15} {c['dispatcher']:9} {c.get('expert_parallel', 1):2} "
+            f"{c['hidden']}x{c['seq']:<5} {c['dtype']:5} "
             f"{c['strategy']:12} {c['peak_bytes'] / MIB:8.1f}  {pk:6}  "
             f"{c.get('requested_peak_bytes', 0) / MIB:8.1f}  {c['retained_bytes'] / MIB:12.1f}"
             f"  {c['step_ms']:7.1f}  {st:5}  {c.get('error') or ''}")

@@ -5,7 +5,9 @@ per model, size and dtype -- plus the relations the reclaim must keep at scale.
 GPU: the MoE GPT (the #3221 leak: the allgather dispatcher keeps each layer's last routing state,
 and with it the recompute graph, until the next step's forward), the same with #5227's kept
 routing probabilities, and a dense GPT + MTP (no leak), at H=1024/S=2048 and H=2048/S=4096, fp32
-and bf16. CPU (``tox -e bench``): the MoE GPT and GPT + MTP at H=256/S=256, fp32.
+and bf16. CPU (``tox -e bench``): the MoE GPT and GPT + MTP at H=256/S=256, fp32. ``moe-ep2``
+is the MoE GPT with its experts split over two ranks (expert parallelism: gloo on CPU, NCCL over
+two GPUs; rank 0's figures).
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ from benchmarks._bench import record
 
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
 PLAN = {
-    "cpu": dict(models=("moe", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",), steps=3),
-    "cuda": dict(models=ms.MODELS, sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20),
+    "cpu": dict(models=("moe", "moe-ep2", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",),
+                steps=3),
+    "cuda": dict(models=(*ms.MODELS, "moe-ep2"), sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20),
 }
 MARKS = {"cpu": pytest.mark.cpu, "cuda": pytest.mark.gpu}
-LEAKY = ("moe", "moe-kept-probs")
+LEAKY = ("moe", "moe-kept-probs", "moe-ep2")
+EP_SUFFIX = "-ep"
+
+
+def _model_and_ep(model: str) -> tuple[str, int]:
+    """``moe-ep2`` -> (``moe``, 2): a megatron_scale model and its expert-parallel ranks."""
+    base, sep, ep = model.rpartition(EP_SUFFIX)
+    return (base, int(ep)) if sep and ep.isdigit() else (model, 1)
 # The step-time goal: a reclaim may cost at most 1% over no reclaim (medians of step-by-step
 # ratios of >= 20 interleaved steps). Asserted on GPU at H=2048/S=4096 (80-340 ms steps). At
 # H=1024/S=2048 (27-90 ms steps) the H200 runs of 2026-11-30 gave 0.98-1.05 for every reclaim,
@@ -31,10 +41,15 @@ LEAKY = ("moe", "moe-kept-probs")
 # steps of a shared 2-core CI machine are noisier still.
 STEP_TIME_LIMIT = 1.01
 STEP_TIME_SIZES = ((2048, 4096),)
-# The CUDA caching allocator counts blocks, not tensor bytes; whether a block is split depends on
-# the allocation history, so two strategies freeing the same tensors can differ by a few blocks
-# (48 KiB of 193 MiB measured). Exact on CPU (MemTracker counts storages).
+# The CUDA caching allocator counts blocks, not tensor bytes: it serves a request from a cached
+# block up to 1 MiB larger without splitting it, and which block a request meets depends on the
+# allocation history. So two strategies freeing the same tensors differ by a few blocks either way:
+# ours - verl 0.8.0 measured from -1.4 to +1.4 MiB kept (H200, 2026-11-30; +1.4 MiB of 68.5 at
+# EP=2 H=1024 bf16), while the bytes the tensors requested at the peak were equal in every cell.
+# So on CUDA: requested peak bytes exactly, the allocator's figures within its slack. Exact on CPU
+# (MemTracker counts storages).
 CUDA_ROUNDING = 0.001
+CUDA_BLOCK_SLACK = 2 * 1024 * 1024
 
 
 def _params(strategies=ms.STRATEGIES, models=None):
@@ -62,9 +77,16 @@ def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
         why = missing_release(version)
         if why is not None:
             pytest.skip(why)
+    base, ep = _model_and_ep(model)
+    if device == "cuda" and ep > 1:
+        import torch
+
+        if torch.cuda.device_count() < ep:
+            pytest.skip(f"needs {ep} GPUs (one expert-parallel rank each); "
+                        f"torch.cuda.device_count() is {torch.cuda.device_count()}")
     plan = PLAN[device]
     cells = book.get(("megatron-scale", device, model, strategy), lambda: ms.cells_in_child(
-        model, strategy, device, plan["sizes"], plan["dtypes"], plan["steps"]))
+        base, strategy, device, plan["sizes"], plan["dtypes"], plan["steps"], ep=ep))
     for c in cells:
         if "hidden" not in c:
             raise RuntimeError(f"{model}/{strategy} on {device}: {c['error']}")
@@ -112,8 +134,10 @@ def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq,
         assert (ours["retained_bytes"], ours["peak_bytes"]) == (
             verl["retained_bytes"], verl["peak_bytes"])
     else:
-        assert ours["retained_bytes"] <= verl["retained_bytes"] * (1 + CUDA_ROUNDING)
-        assert ours["peak_bytes"] <= verl["peak_bytes"] * (1 + CUDA_ROUNDING)
+        assert ours["requested_peak_bytes"] <= verl["requested_peak_bytes"]
+        for figure in ("retained_bytes", "peak_bytes"):
+            slack = max(verl[figure] * CUDA_ROUNDING, CUDA_BLOCK_SLACK)
+            assert ours[figure] <= verl[figure] + slack, (figure, ours[figure], verl[figure])
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
