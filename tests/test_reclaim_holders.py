@@ -92,6 +92,50 @@ def test_a_module_caching_its_recompute_input_keeps_it_readable():
     assert "EVENTS [('input', 'deferred'), ('input', 'kept')]" in res.stdout, res.stdout
 
 
+def test_a_tool_keeping_the_recompute_frames_alive_keeps_the_input_readable():
+    """What compute-sanitizer's host backtraces do on CUDA (H200 finding): a tool records the
+    calling Python frame of each call it tracks and keeps it, so the recompute's frames outlive
+    it, their locals holding the checkpoint's detached input. Whoever holds a frame can read those
+    locals: the input is kept, readable, until the tool lets go; the next step releases as usual."""
+    code = textwrap.dedent("""
+        import sys, torch, torch.utils.checkpoint as tcp
+        from fixes.megatron import apply_recompute_reclaim_patch, recompute_reclaim_events
+        from tests.test_reclaim_holders import _Layer, _step
+        seen = []
+        def ref_hook(t, out):
+            if torch.is_grad_enabled():
+                seen.append(t.detach().clone())
+        _step(_Layer(ref_hook))
+        expected = seen[0]
+        frames = []
+        def backtrace(frame, event, arg):  # the tool: the caller of every C call, kept
+            if event == "c_call":
+                frames.append(frame)
+        apply_recompute_reclaim_patch(tcp.CheckpointFunction)
+        layer = _Layer()
+        sys.setprofile(backtrace)
+        try:
+            with recompute_reclaim_events() as events:
+                _step(layer)
+        finally:
+            sys.setprofile(None)
+        print("EVENTS", [(e.role, e.action) for e in events])
+        held = [f.f_locals["t"] for f in frames
+                if f.f_code is _Layer.forward.__code__ and torch.is_tensor(f.f_locals.get("t"))
+                and f.f_locals["t"].requires_grad]
+        assert held and all(torch.equal(t, expected) for t in held), len(held)
+        del held
+        frames.clear()
+        with recompute_reclaim_events() as events:
+            _step(layer)
+        print("AFTER", [(e.role, e.action) for e in events])
+    """)
+    res = run_isolated(code=code, timeout=120, forkserver=True)
+    assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
+    assert "EVENTS [('input', 'deferred'), ('input', 'kept')]" in res.stdout, res.stdout
+    assert "AFTER [('input', 'released'), ('grad', 'dropped')]" in res.stdout, res.stdout
+
+
 def test_the_recompute_graph_leak_is_released_at_once(patched):
     # Megatron-LM #5227 shape: the module keeps a recompute intermediate; its graph holds the
     # detached input and its grad. Nothing can read them: released / dropped right away.
