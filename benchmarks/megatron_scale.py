@@ -429,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep > 1 and any(not m.startswith("moe") for m in ([args.child[0]] if args.child else models)):
         raise SystemExit(f"error: --ep {args.ep} needs MoE models only: --models "
                          f"{','.join(m for m in MODELS if m.startswith('moe'))}")
+    if args.ep > 1 and args.device == "cuda" and not args.child:
+        import torch
+
+        if torch.cuda.device_count() < args.ep:
+            raise SystemExit(f"error: --ep {args.ep} on cuda needs {args.ep} GPUs (one rank each); "
+                             f"torch.cuda.device_count() is {torch.cuda.device_count()}")
     if args.child:
         cells = run_child(*args.child, args.dispatcher, args.steps, sizes, dtypes, args.device,
                           args.trace, args.ep)

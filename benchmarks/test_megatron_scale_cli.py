@@ -23,6 +23,15 @@ def test_ep_needs_moe_models_only():
         ms.main(["--child", "gpt-mtp", "ours", "--device", "cpu", "--ep", "2"])
 
 
+def test_ep_on_cuda_needs_a_gpu_per_rank():
+    import torch
+
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has 8 GPUs: --ep 8 would run")
+    with pytest.raises(SystemExit, match=r"--ep 8 on cuda needs 8 GPUs \(one rank each\)"):
+        ms.main(["--device", "cuda", "--models", "moe", "--ep", "8"])
+
+
 def test_table_compares_each_strategy_with_none_of_the_same_expert_parallel_degree():
     base = dict(model="moe", dispatcher="allgather", hidden=256, seq=256, dtype="fp32",
                 requested_peak_bytes=0, retained_bytes=0, step_ms=1.0, step_time_ratio=1.0)
