@@ -327,12 +327,16 @@ SANITIZER = shutil.which("compute-sanitizer") or (
 MEMCHECK = ("--tool", "memcheck", "--show-backtrace", "device", "--report-api-errors", "no")
 
 
-def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
+def _under_memcheck(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` under compute-sanitizer memcheck, from the repository root."""
     return subprocess.run(
-        [SANITIZER, *MEMCHECK, sys.executable, "-m", "repro.child", name, mode,
-         "--device", "cuda"],
+        [SANITIZER, *MEMCHECK, sys.executable, "-m", module, *args],
         capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent.parent),
     )
+
+
+def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
+    return _under_memcheck("repro.child", name, mode, "--device", "cuda")
 
 
 @pytest.mark.gpu
@@ -356,15 +360,10 @@ def test_compute_sanitizer_memcheck_real_moe_step_with_releases():
     recompute, the #3221 leak) trained one step with the alias-aware reclaim releases its
     checkpoints' inputs at once (``input:released``: nothing else holds them), and memcheck
     reports no error."""
-    if SANITIZER is None:
-        pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda/bin)")
+    _need_sanitizer()
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
-    r = subprocess.run(
-        [SANITIZER, *MEMCHECK, sys.executable, "-m", "benchmarks.megatron_scale",
-         "--child", "moe", "ours", "--device", "cuda", "--sizes", "256x256", "--dtypes", "fp32",
-         "--steps", "1"],
-        capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).parent.parent),
-    )
+    r = _under_memcheck("benchmarks.megatron_scale", "--child", "moe", "ours", "--device", "cuda",
+                        "--sizes", "256x256", "--dtypes", "fp32", "--steps", "1")
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-4000:]
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("CELLS ")]
@@ -385,9 +384,13 @@ def test_compute_sanitizer_catches_the_unfixed_reclaim(name):
     assert "ERROR SUMMARY: 0 errors" not in out and "Invalid __global__" in out, out[-4000:]
 
 
-def _skip_unless_memcheck_can_run(name: str) -> None:
+def _need_sanitizer() -> None:
     if SANITIZER is None:
         pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda/bin)")
+
+
+def _skip_unless_memcheck_can_run(name: str) -> None:
+    _need_sanitizer()
     if "-verl" in name:
         pytest.importorskip("megatron.core", reason="megatron-core not installed")
         _need_verl("0.8.0" if name.endswith("080") else "0.9.1")
