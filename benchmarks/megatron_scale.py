@@ -60,6 +60,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
+MOE_MODELS = tuple(m for m in MODELS if m.startswith("moe"))
+EXPERTS = 8  # per MoE layer; --ep splits them over ranks
 STRATEGIES = ("none", "verl-0.8.0", "verl-0.9.1", "ours")
 _INSTALL = {"none": "none", "verl-0.8.0": "verl-0.8.0", "verl-0.9.1": "verl-0.9.1",
             "ours": "alias-aware"}
@@ -103,7 +105,7 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, devic
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = dtype == "bf16"
-    moe = model.startswith("moe")
+    moe = model in MOE_MODELS
     cfg = TransformerConfig(
         num_layers=4, hidden_size=hidden, num_attention_heads=hidden // 128,
         ffn_hidden_size=(hidden * 2 if moe else hidden * 4),
@@ -111,10 +113,10 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, devic
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=device == "cpu",
-        **(dict(num_moe_experts=8, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+        **(dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
                 moe_aux_loss_coeff=0.0) if moe else dict(mtp_num_layers=1)),
     )
-    spec = get_gpt_layer_local_spec(num_experts=8 if moe else None, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=False)
     kwargs = {} if moe else dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec,
                                                                        use_transformer_engine=False))
     torch.manual_seed(0)
@@ -355,7 +357,7 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
     cells = []
     for hidden, seq in sizes:
         for dtype in dtypes:
-            cell = Cell(model, strategy, dispatcher if model.startswith("moe") else "-",
+            cell = Cell(model, strategy, dispatcher if model in MOE_MODELS else "-",
                         hidden, seq, dtype, device, ep)
             try:
                 _measure(cell, steps, device, trace, install)
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hidden x sequence, comma-separated")
     p.add_argument("--steps", type=int, default=20, help="timed steps per cell (median)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel ranks (MoE models; CUDA: one GPU each); divides 8")
+                   help=f"expert-parallel ranks (MoE models; CUDA: one GPU each); divides {EXPERTS}")
     p.add_argument("--out", help="write every cell as JSON")
     p.add_argument("--trace", action="store_true",
                    help="record the measured step's allocations; report the sites live at its peak")
@@ -424,11 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     except ValueError:
         raise SystemExit(f"error: --sizes {args.sizes!r}: expected e.g. 1024x2048,2048x4096") from None
-    if args.ep < 1 or 8 % args.ep:
-        raise SystemExit(f"error: --ep {args.ep}: allowed 1, 2, 4, 8 (it splits the 8 experts)")
-    if args.ep > 1 and any(not m.startswith("moe") for m in ([args.child[0]] if args.child else models)):
+    splits = [n for n in range(1, EXPERTS + 1) if EXPERTS % n == 0]
+    if args.ep not in splits:
+        raise SystemExit(f"error: --ep {args.ep}: allowed {', '.join(map(str, splits))} "
+                         f"(it splits the {EXPERTS} experts)")
+    if args.ep > 1 and any(m not in MOE_MODELS for m in ([args.child[0]] if args.child else models)):
         raise SystemExit(f"error: --ep {args.ep} needs MoE models only: --models "
-                         f"{','.join(m for m in MODELS if m.startswith('moe'))}")
+                         f"{','.join(MOE_MODELS)}")
     if args.ep > 1 and args.device == "cuda" and not args.child:
         import torch
 

@@ -24,7 +24,7 @@ PLAN = {
     "cuda": dict(models=(*ms.MODELS, "moe-ep2"), sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20),
 }
 MARKS = {"cpu": pytest.mark.cpu, "cuda": pytest.mark.gpu}
-LEAKY = ("moe", "moe-kept-probs", "moe-ep2")
+LEAKY = (*ms.MOE_MODELS, "moe-ep2")
 EP_SUFFIX = "-ep"
 
 
