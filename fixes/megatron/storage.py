@@ -83,6 +83,12 @@ def is_storage_exclusive(
             raise TypeError(f"owners must be torch.Tensors, got {type(o).__name__}")
     if not isinstance(saved_refs, int) or saved_refs < 0:
         raise ValueError(f"saved_refs must be an int >= 0, got {saved_refs!r}")
+    return exclusive_unchecked(tensor, owners, saved_refs)
+
+
+def exclusive_unchecked(tensor: torch.Tensor, owners: tuple, saved_refs: int) -> bool:
+    """:func:`is_storage_exclusive` without its argument checks, for callers on a hot path
+    that pass a tensor, a tuple of tensors and an int >= 0 (the reclaim, per checkpoint)."""
     if not _has_inspectable_storage(tensor):
         return False
 
