@@ -213,7 +213,8 @@ def test_retain_graph_leaves_inputs_for_the_second_backward():
         from fixes.megatron import apply_recompute_reclaim_patch, recompute_reclaim_events
         from repro.harness.leaks import ModuleStateLeak
         from tests.test_reclaim_holders import _Layer, _released, _step
-        # with the leak: a checkpoint whose copy nothing holds is never touched at all
+        # a leaking layer: the copy stays held, so the full decision and its retain_graph check
+        # run (a checkpoint nothing leaked is left to reference counting before either)
         leak = ModuleStateLeak()
         layer = lambda: _Layer(lambda t, out: leak.keep(out))
         h_ref, out_ref, _ = _step(layer(), retain_graph=True)

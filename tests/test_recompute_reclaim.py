@@ -162,8 +162,8 @@ def check_reclaim_invariants(graph, device="cpu"):
     has_kept = bool(kept) or graph["cache"]
     input_events = [e.action for e in events if e.role == "input"]
     # 0. Nothing holds the detached copy after the recompute (no leak, no cache): nothing is
-    # touched; reference counting frees what the checkpoint held (checked in 2), and what a
-    # kept alias holds stays readable (checked in 2).
+    # touched. Reference counting frees what only the checkpoint held, and kept aliases stay
+    # readable (both checked in 2).
     if not (graph["leak"] or graph["cache"]):
         assert input_events == ["refcounted"], input_events
     # 1. Never released under a reader that has not run, or under a live outside alias.

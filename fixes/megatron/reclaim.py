@@ -22,7 +22,7 @@ keeps a recompute intermediate alive, and with it that graph), so the savings ar
 * when nothing kept the recompute (no node and no Python object holds a detached copy once the
   wrapped backward returns: no leak), nothing is touched: reference counting frees each input
   as its last holder lets go, which is as early as a release could, and frees the copy's grad
-  with the copy. Most checkpoints of a model without the leak take this path; it costs a few
+  with the copy. Every checkpoint of a model without the leak takes this path; it costs a few
   counter reads (a launch-bound step, H=1024 GPT+MTP bf16 on an H200, paid ~0.1 ms per
   checkpoint for the full decision below);
 * an input only the checkpoint and its recompute graph hold is released right after the wrapped
