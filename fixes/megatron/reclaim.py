@@ -61,7 +61,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fixes.megatron.storage import exclusive_unchecked, python_refs_beyond, storage_key
+from fixes.megatron.storage import (
+    COUNTS_TENSOR_HOLDERS,
+    exclusive_unchecked,
+    python_refs_beyond,
+    storage_key,
+)
 
 __all__ = [
     "ReclaimEvent",
@@ -73,7 +78,6 @@ __all__ = [
 
 PATCH_KIND = "alias-aware"
 _YOUNG_GENERATIONS = 1  # gc.collect(1): generations 0 and 1
-_COUNTS_HOLDERS = hasattr(torch.Tensor, "_use_count")  # without it: always the full decision
 
 
 @dataclass(frozen=True)
@@ -130,10 +134,9 @@ def release_storage(tensor: torch.Tensor, role: str, action: str = "released") -
         # kernels (this backward) still read it: keep the block from being reused before
         # they finish.
         tensor.record_stream(torch.cuda.current_stream(tensor.device))
-    nbytes = storage.nbytes() if _observers else 0
+    nbytes = storage.nbytes() if _observers else 0  # read before the resize
     storage.resize_(0)
-    if _observers:
-        _emit(action, role, storage._cdata, nbytes)
+    _emit(action, role, storage._cdata, nbytes)
 
 
 # --- calling the wrapped backward while observing the checkpoint's detached inputs ---------
@@ -268,7 +271,7 @@ def _nothing_kept(copies: list) -> bool:
     # Index, not element, in the loop: a loop variable bound to a tensor is one more reference.
     for i in range(len(copies)):
         if copies[i].requires_grad and not (
-            _COUNTS_HOLDERS and type(copies[i]) is torch.Tensor
+            COUNTS_TENSOR_HOLDERS and type(copies[i]) is torch.Tensor
             and copies[i]._use_count() == 1 and python_refs_beyond(copies, i) == 0
         ):
             return False

@@ -36,6 +36,10 @@ import torch
 
 __all__ = ["is_storage_exclusive", "python_refs_beyond", "storage_key"]
 
+# ``Tensor._use_count`` (the TensorImpl's reference count): without it no holder can be counted,
+# so no storage is inspectable and every answer here is the safe one.
+COUNTS_TENSOR_HOLDERS = hasattr(torch.Tensor, "_use_count")
+
 
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of ``tensor``'s storage (its StorageImpl address)."""
@@ -45,7 +49,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 def _has_inspectable_storage(tensor: torch.Tensor) -> bool:
     # Wrapper subclasses (DTensor, FakeTensor, functional tensors) and sparse layouts have no
     # storage of their own that these counts describe; callers treat them as shared.
-    if tensor.layout is not torch.strided:
+    if not COUNTS_TENSOR_HOLDERS or tensor.layout is not torch.strided:
         return False
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return False
@@ -53,7 +57,7 @@ def _has_inspectable_storage(tensor: torch.Tensor) -> bool:
         tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return False
-    return hasattr(tensor, "_use_count")
+    return True
 
 
 def is_storage_exclusive(
