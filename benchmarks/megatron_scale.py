@@ -273,12 +273,13 @@ class _CpuMeter:
         return None
 
 
-def _measure(cell: Cell, steps: int, device: str, trace: bool = False,
+def _measure(cell: Cell, steps: int, trace: bool = False,
              install: Callable[[str], None] | None = None) -> None:
     import torch
 
     from fixes.megatron import recompute_reclaim_events
 
+    device = cell.device
     meter = _CudaMeter(trace) if device == "cuda" else _CpuMeter(trace)
     with meter.build():
         gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype, device)
@@ -360,7 +361,7 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
             cell = Cell(model, strategy, dispatcher if model in MOE_MODELS else "-",
                         hidden, seq, dtype, device, ep)
             try:
-                _measure(cell, steps, device, trace, install)
+                _measure(cell, steps, trace, install)
                 gc.collect()  # the model of this cell goes before the next is built
             except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
                 cell.error = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"

@@ -18,15 +18,16 @@ from benchmarks import megatron_scale as ms
 from benchmarks._bench import record
 
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
+# ``ep_steps``: timed steps of the expert-parallel cells. Each of their steps waits on the other
+# rank's collectives, whose jitter is in every step time (H200 x2, 2026-11-30: ours 0.9985 then
+# 1.0114 at H=2048 bf16 in two runs of 20 steps, verl 0.8.0 1.0044 then 1.0068). 60 interleaved
+# steps: ~20 s more per EP run.
 PLAN = {
     "cpu": dict(models=("moe", "moe-ep2", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",),
-                steps=3),
-    "cuda": dict(models=(*ms.MODELS, "moe-ep2"), sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20),
+                steps=3, ep_steps=3),
+    "cuda": dict(models=(*ms.MODELS, "moe-ep2"), sizes=ms.SIZES, dtypes=ms.DTYPES, steps=20,
+                 ep_steps=60),
 }
-# Expert parallelism: each step waits on the other rank's collectives, whose jitter is in every
-# step time (H200 x2, 2026-11-30: ours 0.9985 then 1.0114 at H=2048 bf16 in two runs of 20 steps,
-# verl 0.8.0 1.0044 then 1.0068). 60 interleaved steps: ~20 s more per EP run.
-EP_STEPS = 60
 MARKS = {"cpu": pytest.mark.cpu, "cuda": pytest.mark.gpu}
 LEAKY = (*ms.MOE_MODELS, "moe-ep2")
 EP_SUFFIX = "-ep"
@@ -94,7 +95,7 @@ def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
     plan = PLAN[device]
     cells = book.get(("megatron-scale", device, model, strategy), lambda: ms.cells_in_child(
         base, strategy, device, plan["sizes"], plan["dtypes"],
-        EP_STEPS if device == "cuda" and ep > 1 else plan["steps"], ep=ep))
+        plan["ep_steps"] if ep > 1 else plan["steps"], ep=ep))
     for c in cells:
         if "hidden" not in c:
             raise RuntimeError(f"{model}/{strategy} on {device}: {c['error']}")
