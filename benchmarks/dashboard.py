@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks import _svg
 from benchmarks._format import fmt
 from benchmarks._results import ResultsError, Run, load_run, unit_of
-from benchmarks.gate import BASELINE_DIR
+from benchmarks.gate import BASELINE_DIR, baseline_path_for
 
 # Figures in the order a reader wants them; any other figure follows, sorted.
 METRIC_ORDER = ("peak_bytes", "after_forward_bytes", "end_of_backward_bytes", "recompute_flops",
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [load_run(p) for p in args.results]
         kinds = {k for run in runs for k in run.device_kinds}
-        baselines = {k: load_run(args.baselines / f"{k}.json") for k in sorted(kinds)
-                     if (args.baselines / f"{k}.json").is_file()}
+        paths = {k: baseline_path_for(k, args.baselines) for k in sorted(kinds)}
+        baselines = {k: load_run(p) for k, p in paths.items() if p.is_file()}
     except ResultsError as e:
         print(f"dashboard: {e}", file=sys.stderr)
         return 2
