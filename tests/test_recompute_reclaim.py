@@ -340,14 +340,17 @@ def _under_memcheck(module: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+# the shared-view repros: torch only, and megatron-core with verl 0.8.0's / 0.9.1's released patch
+SHARED_VIEW_REPROS = ["shared-view-reclaim", "shared-view-reclaim-verl080",
+                      "shared-view-reclaim-verl091"]
+
+
 def _memcheck(name: str, mode: str) -> subprocess.CompletedProcess:
     return _under_memcheck("repro.child", name, mode, "--device", "cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "name", ["shared-view-reclaim", "shared-view-reclaim-verl080", "shared-view-reclaim-verl091"]
-)
+@pytest.mark.parametrize("name", SHARED_VIEW_REPROS)
 def test_compute_sanitizer_memcheck_fixed_path_releases(name):
     _skip_unless_memcheck_can_run(name)
     fixed = _memcheck(name, "--fixed")
@@ -379,9 +382,7 @@ def test_compute_sanitizer_memcheck_real_moe_step_with_releases():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "name", ["shared-view-reclaim", "shared-view-reclaim-verl080", "shared-view-reclaim-verl091"]
-)
+@pytest.mark.parametrize("name", SHARED_VIEW_REPROS)
 def test_compute_sanitizer_catches_the_unfixed_reclaim(name):
     _skip_unless_memcheck_can_run(name)
     unfixed = _memcheck(name, "--unfixed")
