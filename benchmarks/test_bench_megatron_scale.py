@@ -142,12 +142,13 @@ def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq,
     each dtype it allocates once per process (``placeholder_nbytes``)."""
     verl = _cell(figure_book, device, model, hidden, seq, dtype, "verl-0.8.0")
     ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
-    if device == "cpu":  # exact bytes: equal, but for the placeholder ours allocates once
-        extra = placeholder_nbytes({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    # the one element ours allocates once per process and dtype (in the child's first cell)
+    extra = placeholder_nbytes({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    if device == "cpu":  # exact bytes: equal, but for the placeholder
         assert ours["retained_bytes"] - verl["retained_bytes"] in (0, extra), (ours, verl)
         assert ours["peak_bytes"] - verl["peak_bytes"] in (0, extra), (ours, verl)
     else:
-        assert ours["requested_peak_bytes"] <= verl["requested_peak_bytes"]
+        assert ours["requested_peak_bytes"] <= verl["requested_peak_bytes"] + extra
         for figure in ("retained_bytes", "peak_bytes"):
             slack = max(verl[figure] * CUDA_ROUNDING, CUDA_BLOCK_SLACK)
             assert ours[figure] <= verl[figure] + slack, (figure, ours[figure], verl[figure])
