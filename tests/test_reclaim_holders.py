@@ -151,7 +151,7 @@ def test_without_a_leak_nothing_is_inspected_or_resized(patched, monkeypatch):
     remove_recompute_reclaim_patch(TARGET)
     h_ref, _, _ = _step(_Layer())
     apply_recompute_reclaim_patch(TARGET)
-    monkeypatch.setattr(reclaim, "_only_its_accumulator_holds", must_not_run)
+    monkeypatch.setattr(reclaim, "_placeholder", must_not_run)
     monkeypatch.setattr(torch.UntypedStorage, "resize_", must_not_run)
     with recompute_reclaim_events() as events:
         h, out, weak = _step(_Layer())

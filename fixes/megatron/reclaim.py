@@ -22,14 +22,16 @@ Why detaching the copy is invisible to every reader:
 * What can see the copy itself: a Python reference (a module caching its recompute input; a
   tool keeping the recompute's frames alive), an autograd node that saved it and has not run (a
   side result built during the recompute and backwarded later), a view of it, and its
-  ``AccumulateGrad``. The reclaim detaches only when ``sys.getrefcount`` finds no Python
-  reference beyond its own and the TensorImpl's reference count is exactly two — its Python
-  object and an ``AccumulateGrad`` that already existed. Anything else: the copy is ``kept``,
-  untouched, and its memory goes when that holder lets go.
+  ``AccumulateGrad`` node. The reclaim detaches only when ``sys.getrefcount`` finds no Python
+  reference beyond its own and the TensorImpl's reference count is exactly two: its Python
+  object and one C++ holder. Any op that reads a requires-grad copy in its backward also holds
+  an edge to the copy's ``AccumulateGrad``, so a pending reader makes the count three or more
+  and the copy is ``kept``, untouched; its memory goes when that holder lets go.
 * ``AccumulateGrad`` reads only the copy's shape, dtype and device, which the placeholder keeps,
   and its ``.grad`` slot: a leaked graph backwarded again accumulates as before. The
-  placeholder holds NaN, so a reader outside those counts (a raw pointer, a weak reference)
-  would see NaNs — never freed memory.
+  placeholder holds NaN: a reader the counts cannot tell from ``AccumulateGrad`` -- a custom
+  autograd Function that saved the copy without taking it as an input, a weak reference --
+  would see NaNs, never freed memory.
 
 Which checkpoint inputs are the detached copies is observed, not guessed: ``ctx.run_function``
 is wrapped for the duration of the call and records what the recompute passes it. Works with any
@@ -46,6 +48,7 @@ warning naming it, never wrapped; ``installed_reclaim()`` reports what is instal
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -55,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from fixes.megatron.pristine import describe, is_pristine, pristine_backward
-from fixes.megatron.storage import COUNTS_TENSOR_HOLDERS, python_refs_beyond, storage_key
+from fixes.megatron.storage import COUNTS_TENSOR_HOLDERS, getrefcount_baseline, storage_key
 
 __all__ = [
     "ReclaimEvent",
@@ -152,6 +155,7 @@ def call_observing_inputs(backward: Callable, ctx, grad_outputs) -> tuple[tuple,
 # --- the reclaim ---------------------------------------------------------------------------------
 
 _placeholders: dict[tuple, torch.Tensor] = {}
+_PLACEHOLDER_SHAPES = 256  # distinct (dtype, device, shape) kept; sequence lengths vary in RL
 
 
 def placeholder_nbytes(dtype: torch.dtype) -> int:
@@ -162,45 +166,18 @@ def placeholder_nbytes(dtype: torch.dtype) -> int:
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
     """A NaN broadcast to ``like``'s shape: its dtype and device, one element of memory."""
-    key = (like.dtype, like.device)
-    scalar = _placeholders.get(key)
-    if scalar is None:
-        scalar = _placeholders[key] = torch.full((), float("nan"), dtype=like.dtype,
-                                                 device=like.device)
-    return scalar.expand(like.shape)
-
-
-def _only_its_accumulator_holds(copies: list, i: int) -> bool:
-    """Is the one C++ holder of ``copies[i]`` (use count 2) its ``AccumulateGrad`` node?
-
-    Asking for the gradient edge returns the accumulator that exists, or makes a new one, which
-    would be one more holder: a count that rises means the holder was something else.
-    """
-    before = copies[i]._use_count()
-    edge = torch.autograd.graph.get_gradient_edge(copies[i])
-    existed = copies[i]._use_count() == before
-    del edge
-    return existed
-
-
-def _settle(copies: list, i: int) -> None:
-    """Decide for ``copies[i]`` (index, not element: a name bound to it is one more reference)."""
-    if not (COUNTS_TENSOR_HOLDERS and type(copies[i]) is torch.Tensor
-            and copies[i].layout is torch.strided):
-        emit("kept", "input", copies[i])  # a wrapper subclass's counts do not describe its data
-        return
-    python = python_refs_beyond(copies, i)
-    holders = copies[i]._use_count()  # its Python object and every C++ holder
-    if python == 0 and holders == 1:
-        emit("refcounted", "input", copies[i])
-    elif python == 0 and holders == 2 and _only_its_accumulator_holds(copies, i):
-        emit("detached", "input", copies[i])  # figures before the swap
-        if copies[i].grad is not None:
-            emit("dropped", "grad", copies[i].grad)
-            copies[i].grad = None
-        copies[i].data = _placeholder(copies[i])
-    else:
-        emit("kept", "input", copies[i])
+    key = (like.dtype, like.device, like.shape)
+    placeholder = _placeholders.get(key)
+    if placeholder is None:
+        scalar = _placeholders.get(key[:2])
+        if scalar is None:
+            scalar = _placeholders[key[:2]] = torch.full((), float("nan"), dtype=like.dtype,
+                                                         device=like.device)
+        if len(_placeholders) > _PLACEHOLDER_SHAPES:
+            _placeholders.clear()
+            _placeholders[key[:2]] = scalar
+        placeholder = _placeholders[key] = scalar.expand(like.shape)
+    return placeholder
 
 
 def _reclaiming(backward: Callable) -> Callable:
@@ -215,10 +192,30 @@ def _reclaiming(backward: Callable) -> Callable:
             return result
         copies = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         del args  # our one reference to the copies is ``copies``
+        # Index, not element, in the loop: a name bound to a copy is one more reference.
         for i in range(len(copies)):
-            _settle(copies, i)
+            holders = copies[i]._use_count()  # its Python object and every C++ holder
+            if sys.getrefcount(copies[i]) != getrefcount_baseline(holders > 1):
+                action = "kept"  # a Python reference beyond ``copies``: a reader
+            elif holders == 1:
+                action = "refcounted"  # nothing holds it: no leak
+            elif (holders == 2 and type(copies[i]) is torch.Tensor
+                  and copies[i].layout is torch.strided):
+                action = "detached"  # one C++ holder: the leaked graph's AccumulateGrad
+            else:
+                action = "kept"  # a node that saved it, a view of it: readers
+            if _observers:
+                emit(action, "input", copies[i])  # figures before the swap
+            if action == "detached":
+                if copies[i].grad is not None:
+                    if _observers:
+                        emit("dropped", "grad", copies[i].grad)
+                    copies[i].grad = None
+                copies[i].data = _placeholder(copies[i])
         return result
 
+    if not COUNTS_TENSOR_HOLDERS:  # no holder can be counted on this torch: touch nothing
+        return functools.wraps(backward)(lambda ctx, *grads: backward(ctx, *grads))
     return reclaiming_backward
 
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["is_storage_exclusive", "python_refs_beyond", "storage_key"]
+__all__ = ["getrefcount_baseline", "is_storage_exclusive", "python_refs_beyond", "storage_key"]
 
 # ``Tensor._use_count`` (the TensorImpl's reference count): without it no holder can be counted,
 # so no storage is inspectable, the reclaim detaches nothing, and every answer is the safe one.
@@ -121,7 +121,7 @@ def python_refs_beyond(objects: Sequence[object], index: int) -> int:
     """
     obj = objects[index]
     with_holder = isinstance(obj, torch.Tensor) and obj._use_count() > 1
-    extra = sys.getrefcount(objects[index]) - _probe_baseline(with_holder)
+    extra = sys.getrefcount(objects[index]) - getrefcount_baseline(with_holder)
     del obj
     # `obj` above was one more reference while the count was taken.
     return extra - 1
@@ -130,7 +130,7 @@ def python_refs_beyond(objects: Sequence[object], index: int) -> int:
 _baselines: dict[bool, int] = {}
 
 
-def _probe_baseline(with_cpp_holder: bool) -> int:
+def getrefcount_baseline(with_cpp_holder: bool) -> int:
     """``sys.getrefcount`` of an object held only by one list slot: a tensor that has a C++
     holder (a view) when ``with_cpp_holder``, else a plain object. Measured once per process
     (it depends on the interpreter and torch, not on the call): probing every call cost a tensor
