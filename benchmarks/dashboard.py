@@ -1,7 +1,8 @@
 """Build the static HTML dashboard (and the README's headline table) from benchmark results.
 
     python -m benchmarks.dashboard [RESULTS.json ...] -o benchmarks/results/dashboard.html
-                                   [--readme README.md] [--include-dirty] [--baselines DIR]
+                                   [--readme README.md] [--screenshot PNG] [--include-dirty]
+                                   [--open ANCHOR] [--baselines DIR]
 
 Without result files it reads the committed ones (``benchmarks/results/*.json`` that git
 tracks). Contract of the page:
@@ -9,7 +10,8 @@ tracks). Contract of the page:
 - Runs of a dirty tree are left out (counted at the top) unless ``--include-dirty``; then
   they are labelled ``+dirty`` (``benchmarks._views``).
 - A summary table of the headline cells (``benchmarks.headline``) comes first; ``--readme``
-  writes the same table into the README between its markers, in the same command.
+  writes the same table into the README between its markers, and ``--screenshot`` a PNG of
+  the page (headless Chromium, ``benchmarks._browser``), in the same command.
 - One collapsible section per device kind and scenario, showing the latest run *of that
   scenario on that kind*. Its one-line summary (visible while collapsed) gives ours against no
   reclaim and the change since the previous run. Open, it gives per figure every strategy's
@@ -33,7 +35,7 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
-from benchmarks import _svg, headline
+from benchmarks import _browser, _svg, headline
 from benchmarks._compare import REFERENCES, main_pair, note_for, reference_rows, versus
 from benchmarks._format import fmt
 from benchmarks._results import ResultsError, Row, Run, load_run, unit_of
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also show runs of a dirty tree (marked +dirty)")
     parser.add_argument("--open", action="append", default=[], metavar="ANCHOR",
                         help="draw this section expanded (e.g. gpu-h200-megatron-scale-moe-2048x4096-fp32)")
+    parser.add_argument("--screenshot", type=Path, metavar="PNG",
+                        help="also write a 1280 px wide screenshot of the page (headless Chromium)")
     parser.add_argument("--title", default="stackfix peak-memory benchmarks")
     parser.add_argument("--baselines", type=Path, default=BASELINE_DIR,
                         help="folder of <device_kind>.json baselines (default: the gate's)")
@@ -344,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     Path(args.output).write_text(page)
     print(f"dashboard: {len(runs)} run(s) -> {args.output}")
+    if args.screenshot:
+        chromium = _browser.find_chromium()
+        if chromium is None:
+            print("dashboard: --screenshot needs Chromium (apt-get install chromium, or "
+                  "$STACKFIX_CHROMIUM)", file=sys.stderr)
+            return 2
+        _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
+        print(f"dashboard: screenshot -> {args.screenshot}")
     return 0
 
 
