@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                       include_dirty=args.include_dirty, open_sections=tuple(args.open))
         if args.readme:
             shown, _ = committed_runs(runs, include_dirty=args.include_dirty)
-            table = headline.markdown(headline.headline_rows(scenario_views(shown, baselines)))
+            table = headline.readme_block(headline.headline_rows(scenario_views(shown, baselines)))
             changed = headline.update_readme(args.readme, table)
             print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
     except (ResultsError, ValueError) as e:

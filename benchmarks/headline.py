@@ -124,6 +124,18 @@ def markdown(rows: list[HeadlineRow]) -> str:
     return "\n".join(lines)
 
 
+def readme_block(rows: list[HeadlineRow]) -> str:
+    """What goes between the README's markers: the table and how it was made."""
+    return (markdown(rows) + "\n\nGenerated from the latest committed run of each scenario on "
+            "each device kind (`python -m benchmarks.dashboard -o benchmarks/results/dashboard.html "
+            "--readme README.md`; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
+            "`ours / X` is ours' figure divided by X's, the difference in MiB in brackets; `run` is "
+            "the commit and date (UTC) of the run. CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
+            "stats, `pytest benchmarks -m gpu`. Every other figure (activation checkpointing with "
+            "`mesh_preserving_context_fn`, step times, the sanitizers) and each figure's history: "
+            "[`benchmarks/results/dashboard.html`](benchmarks/results/dashboard.html).\n")
+
+
 def update_readme(path: str | Path, table: str) -> bool:
     """Put ``table`` between the README's markers; True if the file changed. ValueError when
     the markers are missing or out of order (nothing is written then)."""
