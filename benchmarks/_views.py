@@ -10,7 +10,8 @@ Contract:
 - ``ScenarioView.strategies``: the strategies of the scenario's family (the name before
   ``/``) on that kind, so a strategy one variant lacks still has a row.
 - ``ScenarioView.env_changes``: the history points whose environment (torch, megatron-core,
-  GPU, Python) differs from the point before, with what changed.
+  GPU, Python) differs from the point before, with what changed; ``code_changes``: those where a
+  memory figure moved beyond a tolerance in the same environment, naming the two commits.
 Standard library only.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from benchmarks._results import Row, Run
+from benchmarks._results import Row, Run, is_memory_metric
 
 ENV_KEYS = (("torch_version", "torch"), ("megatron_core_version", "megatron-core"),
             ("gpu_name", "GPU"), ("python", "Python"))
@@ -80,6 +81,25 @@ class ScenarioView:
     @property
     def metrics(self) -> list[str]:
         return sorted({m for p in self.history for r in p.rows.values() for m in r.metrics})
+
+    def code_changes(self, tolerance: float) -> list[tuple[int, str]]:
+        """History points where a memory figure moved by more than ``tolerance`` (relative)
+        while the environment stayed the same: what changed is the code between the two
+        commits; the note names them."""
+        out = []
+        env_changed = {i for i, _ in self.env_changes}
+        for i in range(1, len(self.history)):
+            before, now = self.history[i - 1], self.history[i]
+            if i in env_changed:
+                continue
+            moved = sorted({m for s, row in now.rows.items() if s in before.rows
+                            for m, v in row.metrics.items() if is_memory_metric(m)
+                            and (b := before.rows[s].metrics.get(m)) and abs(v - b) > tolerance * abs(b)})
+            if moved:
+                a, c = before.run.commit[:8] or "?", now.run.commit[:8] or "?"
+                out.append((i, f"{', '.join(moved)} moved by more than {tolerance:.1%} with the same "
+                               f"environment: the code between {a} and {c} (git log {a}..{c})"))
+        return out
 
     @property
     def env_changes(self) -> list[tuple[int, str]]:

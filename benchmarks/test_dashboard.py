@@ -183,3 +183,11 @@ def test_render_needs_a_run():
 def test_without_files_the_cli_reads_the_committed_results():
     files = dashboard.committed_result_files()
     assert files and all(f.parent == dashboard.RESULTS_DIR and f.suffix == ".json" for f in files)
+
+
+def test_a_move_beyond_the_tolerance_in_the_same_environment_names_the_commits():
+    html = section(dashboard.render([OLD, NEW]), "cpu", SCN)  # ours 33 -> 32 MiB, same env
+    assert ("at 22222222 11-02 00:00: peak_bytes moved by more than 0.5% with the same "
+            "environment: the code between 11111111 and 22222222 (git log 11111111..22222222)") in html
+    view = _views.scenario_views([OLD, NEW])[0]
+    assert view.code_changes(0.05) == []  # 3% is within 5%
