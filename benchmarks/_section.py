@@ -71,12 +71,12 @@ def _versus_cell(metric: str, v) -> str:
 
 
 def _text(metric: str, value: float | None, *, signed: bool = False) -> str:
-    """A table's figure: bytes in MiB (two decimals under 100 MiB, one above; KiB under one
-    MiB) so figures of one scenario share a unit; anything else as ``fmt`` writes it."""
+    """A table's figure: bytes in MiB (two decimals under 100 MiB, one above; KiB only under
+    0.01 MiB) so figures of one scenario share a unit; anything else as ``fmt`` writes it."""
     if value is None or unit_of(metric) != "bytes" or abs(value) < 2**10:
         return fmt(metric, value, signed=signed)
     sign = "+" if signed and value > 0 else ""
-    if abs(value) < 2**20:
+    if abs(value) < 0.01 * 2**20:
         return f"{sign}{value / 2**10:.1f} KiB"
     mib = value / 2**20
     return f"{sign}{mib:.2f} MiB" if abs(mib) < 100 else f"{sign}{mib:.1f} MiB"

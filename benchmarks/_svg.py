@@ -60,13 +60,13 @@ def line_chart(
     axis: Callable[[float, float], list[tuple[float, str]]],
     *,
     marks: Sequence[tuple[int, str]] = (),
-    width: int = 560,
-    height: int = 210,
+    width: int = 400,
+    height: int = 190,
 ) -> str:
     """Lines of ``series`` (name, value per run or None, colour) over runs labelled
     ``(commit, date)``. ``tooltip`` formats a
     point; ``axis(lo, hi)`` gives the y ticks as (value, label); ``marks``: (run index, note) drawn as dashed lines with the note as tooltip."""
-    left, right, top, bottom = 78, 20, 12, 38
+    left, right, top, bottom = 74, 16, 12, 38
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [v for _, vs, _ in series for v in vs if v is not None]
     lo, hi = y_range(values) if values else (0.0, 1.0)
