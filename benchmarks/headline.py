@@ -83,7 +83,7 @@ def headline_rows(views: list[ScenarioView], cells=HEADLINES) -> list[HeadlineRo
 
 def mib(value: float) -> str:
     v = value / MiB
-    return f"{v:.2f}" if abs(v) < 100 else f"{v:.1f}"
+    return f"{v:.2f}" if abs(v) < 1000 else f"{v:.1f}"
 
 
 def figure_text(row: Row | None, metric: str) -> str:

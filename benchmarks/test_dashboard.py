@@ -145,7 +145,7 @@ def test_headline_table_reads_the_committed_runs_and_says_not_run_without_one():
     rows = headline.headline_rows(_views.scenario_views([GPU]))
     cells = {(r.cell.kind, r.cell.scenario, r.metric): headline.cells_of(r) for r in rows}
     gpu = cells[("gpu-h200", "megatron-scale/moe/2048x4096/fp32", "peak_bytes")]
-    assert gpu[3:10] == ["8000.0", "7840.0", "not run", "7840.0", "0.980 (-160.0)", "1.000 (±0)", "--"]
+    assert gpu[3:10] == ["8000.0", "7840.0", "not run", "7840.0", "0.980 (-160.00)", "1.000 (±0)", "--"]
     assert gpu[10] == "33333333 11-03 00:00"
     assert cells[("cpu", SCN, "peak_bytes")][-1] == "not run"
 
