@@ -43,6 +43,7 @@ from benchmarks.gate import BASELINE_DIR, baseline_path_for
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CSS = """
+.names td{text-align:left;white-space:normal;padding:1px 8px}
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:16px auto;max-width:1200px;
 color:#222;padding:0 14px} h1{font-size:22px;margin:0 0 2px} h2{font-size:17px;margin:22px 0 6px;
 border-bottom:2px solid #ddd} .meta,.note{color:#666;font-size:12px}
@@ -129,8 +130,8 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
             f'smaller is better. Each section shows the latest run of that scenario on that device '
             f'kind; ratios are value / reference, differences value - reference.</p>'
             f'<h2>Headline figures (MiB)</h2>{summary_table(headline.headline_rows(views))}'
-            f'<details><summary class="meta">what the strategy names mean</summary>'
-            f'<table>{strategies}</table></details>{_nav(views)}')
+            f'<details open><summary class="meta">what the strategy names mean</summary>'
+            f'<table class="names">{strategies}</table></details>{_nav(views)}')
     body = []
     for kind in sorted({v.kind for v in views}):
         body.append(f'<h2 id="{anchor(kind, "")}">{escape(kind)}</h2>')

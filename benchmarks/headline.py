@@ -112,7 +112,9 @@ def cells_of(row: HeadlineRow) -> list[str]:
     """The row's cells in ``COLUMNS`` order, as text (figures in MiB)."""
     return [row.cell.what, row.cell.kind, METRIC_NAMES.get(row.metric, row.metric),
             *(figure_text(ref, row.metric) for _, ref in row.references),
-            figure_text(row.subject, row.metric), *(versus_text(v) for _, v in row.versus()),
+            figure_text(row.subject, row.metric),
+            *("-- (crashed)" if ref is not None and ref.crashed else versus_text(v)
+              for (_, v), (_, ref) in zip(row.versus(), row.references, strict=True)),
             row.run_label or "not run"]
 
 

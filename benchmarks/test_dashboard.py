@@ -94,6 +94,7 @@ def test_a_crashed_strategy_shows_as_crashed_with_its_error():
     assert '<span class="crashed">crashed (SIGSEGV)</span>' in cpu
     rows = headline.headline_rows(_views.scenario_views([NEW]))
     assert headline.cells_of(rows[0])[4] == "crashed (SIGSEGV)"
+    assert headline.cells_of(rows[0])[8] == "-- (crashed)"  # ours / verl 0.8.0
 
 
 def test_the_section_summary_gives_ours_against_no_reclaim_and_the_previous_run():
