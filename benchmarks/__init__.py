@@ -2,6 +2,8 @@
 
 ``pytest benchmarks -m cpu -p no:xdist --benchmark-json=RESULTS.json`` measures;
 ``python -m benchmarks.gate RESULTS.json`` compares to the committed baseline;
-``python -m benchmarks.dashboard RESULTS.json... -o dashboard.html`` draws them.
+``python -m benchmarks.record RESULTS.json`` files a clean tree's run under ``results/``;
+``python -m benchmarks.dashboard -o results/dashboard.html --readme README.md`` draws the committed
+runs and writes the README's headline table from them.
 The gate and the dashboard use only the standard library (no torch needed to read results).
 """

@@ -58,8 +58,25 @@ def untimed(step: Callable[[], object]) -> None:
     step()
 
 
+def environment(device: str) -> dict[str, str]:
+    """What a figure was measured on, as strings (the dashboard shows them and notes a change
+    between runs): torch, megatron-core where it is installed, and the GPU's name on CUDA."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    env = {"torch_version": torch.__version__}
+    try:
+        env["megatron_core_version"] = version("megatron-core")
+    except PackageNotFoundError:
+        pass
+    if torch.device(device).type == "cuda":
+        env["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
+    return env
+
+
 def record(benchmark, *, scenario: str, strategy: str, device: str, figures: dict) -> None:
+    """The benchmark's ``extra_info``: its identity, its environment and ``figures`` (numbers,
+    or ``{"crashed": "SIGSEGV"}`` for a strategy that crashes)."""
     benchmark.extra_info.update(
         scenario=scenario, strategy=strategy, device_kind=device_kind(device),
-        torch_version=torch.__version__, **figures,
+        **environment(device), **figures,
     )

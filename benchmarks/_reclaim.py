@@ -20,14 +20,16 @@ whose ``run_function`` closes over a ``MultiTokenPredictionLayer``), ``ours``
 (``fixes.megatron.apply_recompute_reclaim_patch``). verl runs one release per process
 (``repro.verl_release``), so every (variant, strategy, device) is measured in a child interpreter
 of its own (``figures_in_child``). ``unsafe`` on ``chunked-mtp`` frees ``h`` under ``contract``'s
-backward (SIGSEGV on CPU, illegal memory access on CUDA): not applicable, never run --
-``python -m repro --only shared-view-reclaim-verl080`` shows that crash.
+backward (``CRASHES``): its child is run too, and what ended it is the cell's result
+(``{"crashed": "SIGSEGV"}``, or the exception's name) -- ``python -m repro --only
+shared-view-reclaim-verl080`` shows the same crash.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +43,9 @@ VARIANTS = ("plain", "chunked-mtp")
 STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
 # strategy -> repro.shared_view_reclaim variant name
 _INSTALL = {"none": "none", "unsafe": "verl-0.8.0", "mtp-skip": "verl-0.9.1", "ours": "alias-aware"}
-NOT_APPLICABLE = {
-    ("chunked-mtp", "unsafe"): "n/a: verl's unsafe reclaim frees the chunk's shared storage while "
+# Cells whose child is expected to crash: no figures, and no relation between strategies holds.
+CRASHES = {
+    ("chunked-mtp", "unsafe"): "verl's unsafe reclaim frees the chunk's shared storage while "
     "the decoder's contract still reads it (crash 2: SIGSEGV / CUDA illegal memory access); see "
     "`python -m repro --only shared-view-reclaim-verl080`",
 }
@@ -150,8 +153,6 @@ def build(variant: str, strategy: str, device: torch.device) -> ReclaimSetup:
     """The model for ``variant`` with ``strategy``'s reclaim installed on megatron-core's
     CheckpointFunction (``uninstall()`` after use)."""
     check(variant, strategy)
-    if (variant, strategy) in NOT_APPLICABLE:
-        raise ValueError(NOT_APPLICABLE[(variant, strategy)])
     from repro.shared_view_reclaim import install_reclaim, setup_megatron
 
     setup_megatron(device.type)
@@ -201,9 +202,20 @@ def print_figures(variant: str, strategy: str, device: str) -> None:
     print(FIGURES_MARKER + json.dumps(figures), flush=True)
 
 
+def _crash_name(stderr: str) -> str | None:
+    """The exception type on a traceback's last line (``torch.AcceleratorError: CUDA error...``)."""
+    for line in reversed(stderr.strip().splitlines()):
+        m = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception)):", line)
+        if m:
+            return m.group(1).rsplit(".", 1)[-1]
+    return None
+
+
 def figures_in_child(variant: str, strategy: str, device: str) -> dict:
-    """``print_figures`` in a fresh interpreter. Raises repro.Skipped where the child could not
-    run (a verl release not installed), RuntimeError with its stderr if it failed."""
+    """``print_figures`` in a fresh interpreter. A cell of ``CRASHES`` whose child died by a
+    signal or an exception gives ``{"crashed": name}``. Raises repro.Skipped where the child
+    could not run (a verl release not installed), RuntimeError with its stderr if it failed
+    otherwise (also a crash outside ``CRASHES``)."""
     from repro import Skipped, run_isolated
     from repro.registry import reported_skip
 
@@ -218,4 +230,7 @@ def figures_in_child(variant: str, strategy: str, device: str) -> dict:
     skipped = reported_skip(r.stderr)
     if skipped is not None:
         raise Skipped(skipped)
+    crashed = r.signal_name or (None if r.timed_out else _crash_name(r.stderr))
+    if (variant, strategy) in CRASHES and crashed:
+        return {"crashed": crashed}
     raise RuntimeError(f"{variant}/{strategy} on {device}: {r.describe()}\n{r.stderr[-3000:]}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 IDENTITY_KEYS = ("scenario", "strategy", "device_kind")
+CRASHED_KEY = "crashed"  # extra_info: the name of what ended a strategy that crashes (SIGSEGV)
 # Suffix -> unit; the first match wins. Figures ending in a MEMORY_SUFFIXES entry are gated.
 UNITS = (("_bytes", "bytes"), ("_flops", "FLOPs"), ("_ratio", "x"), ("_s", "s"))
 MEMORY_SUFFIXES = ("_bytes",)
@@ -42,6 +43,8 @@ class Row:
     device_kind: str
     metrics: dict[str, float]
     name: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # torch_version, megatron_core_version...
+    crashed: str | None = None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -50,12 +53,25 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One results file: where it came from, when, at which commit, and its rows."""
+    """One results file: where it came from, when, at which commit, and its rows.
+
+    ``commit`` is the full id ("" where git could not answer), ``dirty`` whether the tree had
+    uncommitted changes; ``label`` the short commit (``+dirty``) or, without a commit, the
+    file's name; ``skipped`` the benchmarks that skipped (``benchmarks.skipped``)."""
 
     path: str
     label: str
     datetime: str
     rows: list[Row] = field(default_factory=list)
+    commit: str = ""
+    dirty: bool = False
+    python_version: str = ""
+    skipped: list[dict] = field(default_factory=list)
+
+    @property
+    def date(self) -> str:
+        """``YYYY-MM-DD HH:MM`` of the run (UTC as pytest-benchmark writes it), or ""."""
+        return self.datetime[:16].replace("T", " ")
 
     def by_key(self) -> dict[tuple[str, str, str], Row]:
         return {row.key: row for row in self.rows}
@@ -76,7 +92,11 @@ def row_from_benchmark(bench: dict) -> Row:
     if missing:
         raise ResultsError(f"benchmark {name} has no {', '.join(missing)} in extra_info")
     metrics = {k: float(v) for k, v in extra.items() if k not in IDENTITY_KEYS and _is_number(v)}
-    return Row(extra["scenario"], extra["strategy"], extra["device_kind"], metrics, name)
+    env = {k: v for k, v in extra.items()
+           if k not in (*IDENTITY_KEYS, CRASHED_KEY) and isinstance(v, str)}
+    crashed = extra.get(CRASHED_KEY)
+    return Row(extra["scenario"], extra["strategy"], extra["device_kind"], metrics, name, env,
+               str(crashed) if crashed else None)
 
 
 def run_from_json(data: dict, *, path: str = "") -> Run:
@@ -98,7 +118,11 @@ def run_from_json(data: dict, *, path: str = "") -> Run:
         label += "+dirty"
     if not label:
         label = Path(path).stem if path else "run"
-    return Run(path=path, label=label, datetime=str(data.get("datetime") or ""), rows=rows)
+    machine = data.get("machine_info") or {}
+    skipped = [s for s in data.get("skipped") or [] if isinstance(s, dict)]
+    return Run(path=path, label=label, datetime=str(data.get("datetime") or ""), rows=rows,
+               commit="" if commit_id == "unknown" else commit_id, dirty=bool(commit.get("dirty")),
+               python_version=str(machine.get("python_version") or ""), skipped=skipped)
 
 
 def load_run(path: str | Path) -> Run:

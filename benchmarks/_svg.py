@@ -1,105 +1,112 @@
-"""Two inline-SVG charts for the dashboard -- horizontal bars and lines over runs -- written by
-hand so the page needs no plotting library, no network and no script (standard library only)."""
+"""The dashboard's history chart as inline SVG: one line per strategy over a scenario's runs.
+
+Why hand-written SVG and not a plotting library: the page must open from a file with no
+network, and the gate and dashboard run on the standard library alone (CI reads results
+without installing torch or anything else). A JavaScript library (Plotly, Vega-Lite, Chart.js)
+would have to be inlined into every page -- hundreds of KB to MBs of script for a handful of
+small line charts -- and the browser test would then check the library's rendering, not ours;
+matplotlib would add a heavy dependency to a stdlib-only tool for static images that cannot
+carry the per-point tooltips this chart has. What a library would give here (ticks, labels,
+scales) is a few dozen lines below, written to the page's needs:
+
+- x: one position per run of the scenario (no empty slots), each labelled on two lines
+  (short commit / date) so labels are distinct, horizontal and never clipped;
+- y: spans the data, and at least 2% of its middle value, so a 1% change moves a line by at
+  least 40% of the plot height and flat figures stay readable; tick labels carry as many
+  decimals as their step needs, so no two read the same;
+- runs whose environment changed are marked by a dashed line with the change as its tooltip.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from html import escape
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
            "#9c755f", "#bab0ac", "#ff9da7")
-FONT = 'font-family="system-ui, -apple-system, Segoe UI, sans-serif" font-size="12"'
+FONT = 'font-family="system-ui, -apple-system, Segoe UI, sans-serif" font-size="11"'
+MIN_RELATIVE_SPAN = 0.02
 
 
-def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    return [lo + (hi - lo) * i / n for i in range(n + 1)]
+def y_range(values: Sequence[float]) -> tuple[float, float]:
+    """The y axis for ``values``: their span plus 10% each side, at least MIN_RELATIVE_SPAN of
+    the middle value, never below zero for figures that are not."""
+    lo, hi = min(values), max(values)
+    mid = (lo + hi) / 2
+    span = max(hi - lo, MIN_RELATIVE_SPAN * abs(mid)) or 1.0
+    bottom, top = mid - 0.6 * span, mid + 0.6 * span
+    if lo >= 0 > bottom:
+        bottom, top = 0.0, top - bottom
+    return bottom, top
 
 
-def bar_chart(
-    bars: Sequence[tuple[str, float | None, str]],
-    fmt: Callable[[float], str],
-    *,
-    width: int = 520,
-    label_width: int = 150,
-) -> str:
-    """One horizontal bar per (label, value, colour); value None draws "n/a"."""
-    bar_h, gap, top, bottom = 20, 8, 8, 24
-    height = top + len(bars) * (bar_h + gap) + bottom
-    plot_w = width - label_width - 90
-    vmax = max((v for _, v, _ in bars if v is not None), default=0) or 1
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" {FONT}>']
-    axis_y = top + len(bars) * (bar_h + gap)
-    for t in _ticks(0, vmax, 2):  # three labels: long unit strings must not collide
-        x = label_width + plot_w * t / vmax
-        out.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{axis_y}" stroke="#e3e3e3"/>')
-        out.append(f'<text x="{x:.1f}" y="{axis_y + 15}" text-anchor="middle" fill="#777">{escape(fmt(t))}</text>')
-    for i, (label, value, colour) in enumerate(bars):
-        y = top + i * (bar_h + gap)
-        out.append(f'<text x="{label_width - 8}" y="{y + bar_h * 0.7:.1f}" text-anchor="end" '
-                   f'fill="#222">{escape(label)}</text>')
-        if value is None:
-            out.append(f'<text x="{label_width + 4}" y="{y + bar_h * 0.7:.1f}" fill="#999" '
-                       f'font-style="italic">n/a</text>')
-            continue
-        w = max(plot_w * value / vmax, 1)
-        out.append(f'<rect x="{label_width}" y="{y}" width="{w:.1f}" height="{bar_h}" rx="2" '
-                   f'fill="{colour}"><title>{escape(label)}: {escape(fmt(value))}</title></rect>')
-        out.append(f'<text x="{label_width + w + 5:.1f}" y="{y + bar_h * 0.7:.1f}" '
-                   f'fill="#222">{escape(fmt(value))}</text>')
-    out.append("</svg>")
-    return "".join(out)
+def nice_ticks(lo: float, hi: float, *, count: int = 4) -> tuple[list[float], int]:
+    """Ticks at a round step (1, 2, 2.5 or 5 times a power of ten) inside [lo, hi], and the
+    decimals that print each of them exactly, so no two tick labels read the same."""
+    raw = (hi - lo) / count if hi > lo else abs(hi) or 1.0
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+    first = math.ceil(lo / step - 1e-9)
+    ticks = [k * step for k in range(first, first + count + 2) if k * step <= hi + step * 1e-9]
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if round(step / mag, 6) == 2.5 else 0)
+    return ticks, decimals
 
 
 def line_chart(
-    x_labels: Sequence[str],
+    x_labels: Sequence[tuple[str, str]],
     series: Sequence[tuple[str, Sequence[float | None], str]],
-    fmt: Callable[[float], str],
+    tooltip: Callable[[float], str],
+    axis: Callable[[float, float], list[tuple[float, str]]],
     *,
-    width: int = 520,
-    height: int = 230,
+    marks: Sequence[tuple[int, str]] = (),
+    width: int = 400,
+    height: int = 190,
 ) -> str:
-    """One line per (name, values by run, colour) over the runs ``x_labels``; gaps for None.
-    The y axis spans the data (not from zero): the point is to see a figure move."""
-    left, right, top, bottom = 104, 16, 10, 80
+    """Lines of ``series`` (name, value per run or None, colour) over runs labelled
+    ``(commit, date)``. ``tooltip`` formats a
+    point; ``axis(lo, hi)`` gives the y ticks as (value, label); ``marks``: (run index, note) drawn as dashed lines with the note as tooltip."""
+    left, right, top, bottom = 74, 16, 12, 38
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [v for _, vs, _ in series for v in vs if v is not None]
-    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    pad = (hi - lo) * 0.1 or (abs(hi) * 0.05 or 1.0)
-    lo, hi = (max(lo - pad, 0.0) if lo >= 0 else lo - pad), hi + pad
-    n = len(x_labels)
+    lo, hi = y_range(values) if values else (0.0, 1.0)
+    n = max(len(x_labels), 1)
 
-    def px(i):
-        return left + (plot_w * (i + 0.5) / n)
+    def px(i: int) -> float:
+        return left + plot_w * (i + 0.5) / n
 
-    def py(v):
+    def py(v: float) -> float:
         return top + plot_h * (1 - (v - lo) / (hi - lo))
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" {FONT}>']
-    for t in _ticks(lo, hi):
+    for t, label in axis(lo, hi):
         y = py(t)
-        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e3e3e3"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#777">{escape(fmt(t))}</text>')
-    for i, label in enumerate(x_labels):
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e6e6"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#666">{escape(label)}</text>')
+    base = top + plot_h
+    for i, (commit, date) in enumerate(x_labels):
         x = px(i)
-        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 14}" text-anchor="end" fill="#555" '
-                   f'transform="rotate(-30 {x:.1f} {top + plot_h + 14})">{escape(label)}</text>')
-    # Strategies with equal figures draw the same line: earlier series are drawn first and
-    # wider, so coinciding lines show as nested stripes of every colour instead of the last one.
+        out.append(f'<text class="xlabel" x="{x:.1f}" y="{base + 14}" text-anchor="middle" fill="#444">'
+                   f'{escape(commit)}<tspan x="{x:.1f}" dy="12" fill="#777">{escape(date)}</tspan></text>')
+    for i, note in marks:
+        x = (px(i - 1) + px(i)) / 2 if i > 0 else px(i)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{base}" stroke="#b35" '
+                   f'stroke-dasharray="4 3"><title>environment changed: {escape(note)}</title></line>')
+        out.append(f'<text x="{x + 3:.1f}" y="{top + 9}" fill="#b35">env</text>')
+    # Equal figures draw the same line: earlier series are drawn wider, so coinciding lines
+    # show as nested stripes of every colour instead of the last one drawn.
     for k, (name, vs, colour) in enumerate(series):
-        pts = [(px(i), py(v), v) for i, v in enumerate(vs) if v is not None]
+        pts = [(i, px(i), py(v), v) for i, v in enumerate(vs) if v is not None]
         if len(pts) > 1:
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in pts)
-            w = 2 + 2.5 * (len(series) - 1 - k)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="{w}" '
+            path = " ".join(f"{x:.1f},{y:.1f}" for _, x, y, _ in pts)
+            w = 2 + 2.2 * (len(series) - 1 - k)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="{w:.1f}" '
                        f'stroke-linejoin="round" stroke-linecap="round"/>')
-        for (x, y, v), label in zip(pts, [x_labels[i] for i, v in enumerate(vs) if v is not None],
-                                    strict=True):
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}" stroke="#fff">'
-                       f'<title>{escape(name)} @ {escape(label)}: {escape(fmt(v))}</title></circle>')
+        for i, x, y, v in pts:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}" stroke="#fff">'
+                       f'<title>{escape(name)} @ {escape(" ".join(x_labels[i]))}: '
+                       f'{escape(tooltip(v))}</title></circle>')
     out.append("</svg>")
     return "".join(out)
 

@@ -3,6 +3,7 @@ exactly one of ``cpu`` / ``gpu``, and ``gpu`` ones skip with the reason where CU
 
 ``pytest benchmarks`` does not load ``tests/conftest.py`` (it is not on the collected path), so
 the hook is loaded from that file rather than written a second time: one rule, one place.
+It also loads ``benchmarks.skipped`` (a skipped benchmark reported as a skip).
 ``tests/`` is not a package, hence the load by path under a private module name.
 """
 
@@ -27,6 +28,12 @@ def _load_suite_rules():
 
 _rules = _load_suite_rules()
 DEVICE_MARKERS = _rules.DEVICE_MARKERS
+
+
+def pytest_configure(config):
+    # A skipped benchmark is reported as a skip, not as pytest-benchmark's INTERNALERROR.
+    if not config.pluginmanager.has_plugin("benchmarks.skipped"):
+        config.pluginmanager.import_plugin("benchmarks.skipped")
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,204 +1,204 @@
-"""Build a static HTML dashboard from benchmark result files.
+"""Build the static HTML dashboard (and the README's headline table) from benchmark results.
 
-    python -m benchmarks.dashboard RESULTS.json [MORE.json ...] -o dashboard.html
+    python -m benchmarks.dashboard [RESULTS.json ...] -o benchmarks/results/dashboard.html
+                                   [--readme README.md] [--screenshot PNG] [--include-dirty]
+                                   [--open ANCHOR] [--baselines DIR]
 
-Each file is one run (pytest-benchmark JSON, e.g. one per commit). Runs are ordered by their
-timestamp; the newest is "latest". Per device kind and scenario the page shows every figure
-twice: the strategies side by side in the latest run (bars), and each strategy's history over
-the runs (lines). The table of the latest figures gives, per strategy, each figure's change
-against the previous run of that device kind and against the committed baseline
-(``benchmarks/baselines/<kind>.json``, the gate's; ``--baselines DIR`` for another folder). A strategy that other variants of a scenario run but this one does not
-(``unsafe`` reclaim on the chunked input: it crashes) shows as n/a. Inline SVG and CSS only: no script, no network, no plotting library.
+Without result files it reads the committed ones (``benchmarks/results/*.json`` that git
+tracks). Contract of the page:
+
+- Runs of a dirty tree are left out (counted at the top) unless ``--include-dirty``; then
+  they are labelled ``+dirty`` (``benchmarks._views``).
+- A summary table of the headline cells (``benchmarks.headline``) comes first; ``--readme``
+  writes the same table into the README between its markers, and ``--screenshot`` a PNG of
+  the page (headless Chromium, ``benchmarks._browser``), in the same command.
+- One collapsible section per device kind and scenario, showing the latest run *of that
+  scenario on that kind*. Its one-line summary (visible while collapsed) gives ours against no
+  reclaim and the change since the previous run. Open, it gives per figure every strategy's
+  value, its ratio and difference against no reclaim and each verl release
+  (``benchmarks._compare``), its change against the previous run and the baseline
+  (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and the
+  history of the figure over the scenario's runs with environment changes noted.
+- A strategy that crashed is shown as ``crashed (NAME)``; one the run did not have, as
+  "not in this run".
+- Self-contained: inline CSS and SVG (``benchmarks._svg`` says why no plotting library), no
+  script, no network. Readable at 1280 px.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import subprocess
 import sys
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
-from benchmarks import _svg
-from benchmarks._format import fmt
-from benchmarks._results import ResultsError, Run, load_run, unit_of
+from benchmarks import _browser, _svg, headline
+from benchmarks._compare import note_for
+from benchmarks._results import ResultsError, Run, load_run
+from benchmarks._section import anchor, section
+from benchmarks._views import ScenarioView, committed_runs, scenario_views
 from benchmarks.gate import BASELINE_DIR, baseline_path_for
 
-# Figures in the order a reader wants them; any other figure follows, sorted.
-METRIC_ORDER = ("peak_bytes", "after_forward_bytes", "end_of_backward_bytes", "recompute_flops",
-                "backward_flops", "step_time_ratio", "step_time_single_threaded_s",
-                "step_time_multithreaded_s")
-METRIC_TITLES = {
-    "peak_bytes": "peak memory",
-    "after_forward_bytes": "live after forward (kept for backward)",
-    "end_of_backward_bytes": "live at the end of backward",
-    "recompute_flops": "recompute FLOPs (backward minus backward without AC)",
-    "backward_flops": "backward FLOPs",
-    "step_time_ratio": "step time, single-threaded / multithreaded backward",
-    "step_time_single_threaded_s": "step time, single-threaded backward (median)",
-    "step_time_multithreaded_s": "step time, multithreaded backward (median)",
-    "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (medians)",
-    "step_time_s": "step time (median of interleaved rounds)",
-    "sanitizer_step_time_min_ratio": "fastest step under the sanitizer(s) / without",
-    "step_time_min_s": "step time (fastest of interleaved rounds)",
-}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1120px;
-color:#222;padding:0 16px}
-h1{font-size:24px;margin-bottom:4px} h2{font-size:19px;margin-top:36px;border-bottom:2px solid #ddd;
-padding-bottom:4px} h3{font-size:14px;margin:14px 0 4px;color:#444}
-.meta{color:#666;font-size:13px} .grid{display:grid;grid-template-columns:1fr 1fr;gap:4px 24px}
-.card{border:1px solid #eee;border-radius:6px;padding:6px 10px 2px;margin:10px 0}
-.key{display:inline-block;margin-right:14px;font-size:12px;color:#333}
-.key i{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:5px;
-vertical-align:-1px} table{border-collapse:collapse;font-size:13px;margin:8px 0}
-td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:right}
-th:first-child,td:first-child{text-align:left} .note{color:#777;font-size:12px}
+.names td{text-align:left;white-space:normal;padding:1px 8px}
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:16px auto;max-width:1200px;
+color:#222;padding:0 14px} h1{font-size:22px;margin:0 0 2px} h2{font-size:17px;margin:22px 0 6px;
+border-bottom:2px solid #ddd} .meta,.note{color:#666;font-size:12px}
+nav{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:0 16px;
+font-size:12px;border:1px solid #eee;border-radius:6px;padding:6px 10px;margin:8px 0}
+nav b{display:block;margin-top:4px} nav a{margin-right:8px;white-space:nowrap}
+table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
+td,th{padding:2px 8px;white-space:nowrap;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
+th{background:#f6f6f6;white-space:normal} th:first-child,td:first-child{text-align:left}
+.summary td:nth-child(-n+3),.summary th:nth-child(-n+3){text-align:left} .summary td:first-child{white-space:normal}
+details.scn{border:1px solid #e4e4e4;border-radius:6px;margin:4px 0;padding:0 10px}
+details.scn>summary{cursor:pointer;padding:5px 0;font-size:13.5px}
+details.scn[open]>summary{border-bottom:1px solid #eee;margin-bottom:6px}
+.delta{font-weight:600;margin-left:8px} .good{color:#1a7f37} .bad{color:#c62828}
+.crashed{color:#c62828;font-weight:600} .dirty{color:#b35;font-weight:600}
+.fig{display:flex;flex-wrap:wrap;gap:0 24px;align-items:flex-start;border-top:1px solid #f0f0f0}
+.key{display:inline-block;margin-right:12px;font-size:12px} .key i{display:inline-block;
+width:10px;height:10px;border-radius:2px;margin-right:4px} h3{font-size:13px;margin:10px 0 2px}
 """
 
 
-def _anchor(kind: str, scenario: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{kind}-{scenario}")
+def summary_table(rows: list[headline.HeadlineRow]) -> str:
+    """The headline cells (the README's table), each linked to its section."""
+    head = "".join(f"<th>{escape(c)}</th>" for c in headline.COLUMNS)
+    out = [f'<table class="summary" id="headline"><tr>{head}</tr>']
+    for row in rows:
+        cells = [escape(c) for c in headline.cells_of(row)]
+        cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" title="{escape(row.cell.scenario)}">'
+                    f'{cells[0]}</a>')
+        cells = [f'<span class="crashed">{c}</span>' if c.startswith("crashed") else c for c in cells]
+        out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    out.append("</table>")
+    return "".join(out)
 
 
-def _metric_sort_key(metric: str):
-    return (METRIC_ORDER.index(metric) if metric in METRIC_ORDER else len(METRIC_ORDER), metric)
+def _nav(views: list[ScenarioView]) -> str:
+    """Links to every section, one block per family and kind, one line per model of a family
+    whose scenarios have three parts (``megatron-scale/<model>/<size>/<dtype>``)."""
+    groups: dict[tuple[str, str], dict[str, list[ScenarioView]]] = {}
+    for v in views:
+        family, _, rest = v.scenario.partition("/")
+        model, _, variant = rest.partition("/") if rest.count("/") >= 1 else ("", "", rest)
+        groups.setdefault((v.kind, family), {}).setdefault(model, []).append((variant or rest, v))
+    out = ['<nav aria-label="scenarios">']
+    for (kind, family), models in groups.items():
+        lines = []
+        for model, vs in models.items():
+            links = " ".join(f'<a href="#{anchor(v.kind, v.scenario)}">{escape(name or v.scenario)}</a>'
+                             for name, v in vs)
+            lines.append(f"<div>{escape(model) + ': ' if model else ''}{links}</div>")
+        out.append(f"<div><b>{escape(family)} ({escape(kind)})</b>{''.join(lines)}</div>")
+    out.append("</nav>")
+    return "".join(out)
 
 
-def _sorted_runs(runs: list[Run]) -> list[Run]:
-    return sorted(runs, key=lambda r: r.datetime)  # ISO timestamps sort as text; stable otherwise
-
-
-def _strategy_colours(runs: list[Run]) -> dict[str, str]:
+def _strategy_colours(views: list[ScenarioView]) -> dict[str, str]:
     order: list[str] = []
-    for run in runs:
-        for row in run.rows:
-            if row.strategy not in order:
-                order.append(row.strategy)
+    for v in views:
+        order += [s for s in v.strategies if s not in order]
     return {s: _svg.PALETTE[i % len(_svg.PALETTE)] for i, s in enumerate(order)}
 
 
-def _delta(now, then) -> str:
-    if now is None or then is None:
-        return "-"
-    if then == 0:
-        return "0" if now == 0 else "new"
-    return f"{(now - then) / abs(then):+.2%}"
-
-
-def _section(kind: str, scenario: str, runs: list[Run], colours: dict[str, str],
-             baseline: Run | None = None) -> str:
-    # History and "latest" per device kind: a newer GPU run must not blank the CPU sections.
-    runs = [run for run in runs if any(row.device_kind == kind for row in run.rows)]
-    latest = runs[-1]
-    # Strategies of the whole family (the scenario name before "/"), so one a variant cannot run
-    # (unsafe reclaim on the chunked input) shows there as n/a instead of vanishing.
-    family = scenario.split("/")[0]
-    strategies: list[str] = []
-    for run in runs:
-        for row in run.rows:
-            if (row.device_kind == kind and row.scenario.split("/")[0] == family
-                    and row.strategy not in strategies):
-                strategies.append(row.strategy)
-    rows_by_run = [{r.strategy: r for r in run.rows if (r.device_kind, r.scenario) == (kind, scenario)}
-                   for run in runs]
-    metrics = sorted({m for rows in rows_by_run for r in rows.values() for m in r.metrics},
-                     key=_metric_sort_key)
-    latest_rows = rows_by_run[-1]
-    out = [f'<h2 id="{_anchor(kind, scenario)}">{escape(scenario)} '
-           f'<span class="meta">({escape(kind)})</span></h2>']
-    if not latest_rows:
-        out.append(f'<p class="note">not in the latest run ({escape(latest.label)}).</p>')
-    out.append('<div>' + _svg.legend([(s, colours[s]) for s in strategies]) + '</div>')
-    # the latest figures as a table
-    out.append('<table><tr><th>strategy</th>' + "".join(
-        f"<th>{escape(m)}</th>" for m in metrics) + '</tr>')
-    # The previous run of this kind that has the row, and the baseline's row: the deltas.
-    previous = rows_by_run[-2] if len(rows_by_run) > 1 else {}
-    base_rows = ({} if baseline is None else
-                 {r.strategy: r for r in baseline.rows if (r.device_kind, r.scenario) == (kind, scenario)})
-    for s in strategies:
-        row = latest_rows.get(s)
-        cells = []
-        for m in metrics:
-            now = row.metrics.get(m) if row else None
-            prev = previous[s].metrics.get(m) if s in previous else None
-            base = base_rows[s].metrics.get(m) if s in base_rows else None
-            cells.append(f"<td>{escape(fmt(m, now) if row else 'n/a')}<br><span class=\"note\">"
-                         f"prev {escape(_delta(now, prev))} · base {escape(_delta(now, base))}"
-                         f"</span></td>")
-        out.append(f"<tr><td>{escape(s)}</td>{''.join(cells)}</tr>")
-    out.append("</table>")
-    labels = [run.label for run in runs]
-    for metric in metrics:
-        def f(v, metric=metric):
-            return fmt(metric, v)
-
-        bars = [(s, latest_rows[s].metrics.get(metric) if s in latest_rows else None, colours[s])
-                for s in strategies]
-        series = [(s, [rows[s].metrics.get(metric) if s in rows else None for rows in rows_by_run],
-                   colours[s]) for s in strategies]
-        title = METRIC_TITLES.get(metric, metric)
-        history = (_svg.line_chart(labels, series, f) if len(runs) > 1 else
-                   '<p class="note">history: one run so far; pass more result files to draw it.</p>')
-        out.append(f'<div class="card"><h3>{escape(title)} <span class="meta">[{escape(metric)}, '
-                   f'{escape(unit_of(metric) or "value")}]</span></h3><div class="grid">'
-                   f'<div><div class="note">latest run ({escape(latest.label)})</div>'
-                   f'{_svg.bar_chart(bars, f)}</div>'
-                   f'<div><div class="note">history over {len(runs)} run(s)</div>{history}</div>'
-                   f'</div></div>')
-    return "\n".join(out)
-
-
 def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
-           baselines: dict[str, Run] | None = None) -> str:
-    """The dashboard page for ``runs`` (any order); ``baselines``: device kind -> baseline run."""
-    baselines = baselines or {}
+           baselines: dict[str, Run] | None = None, include_dirty: bool = False,
+           open_sections: tuple[str, ...] = ()) -> str:
+    """The page for ``runs`` (any order); ``baselines``: device kind -> baseline run;
+    ``open_sections``: anchors of sections to draw expanded."""
     if not runs:
         raise ValueError("render needs at least one run")
-    runs = _sorted_runs(runs)
-    colours = _strategy_colours(runs)
-    groups: list[tuple[str, str]] = []
-    for run in runs:
-        for row in run.rows:
-            if (row.device_kind, row.scenario) not in groups:
-                groups.append((row.device_kind, row.scenario))
-    groups.sort()
-    latest = runs[-1]
-    toc = " · ".join(f'<a href="#{_anchor(k, s)}">{escape(s)} ({escape(k)})</a>'
-                     for k, s in groups)
+    shown, left_out = committed_runs(runs, include_dirty=include_dirty)
+    if not shown:
+        raise ValueError(f"all {len(runs)} run(s) come from a dirty tree; pass include_dirty")
+    views = scenario_views(shown, baselines)
+    colours = _strategy_colours(views)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    head = (f'<h1>{escape(title)}</h1><p class="meta">{len(runs)} run(s), latest '
-            f'<b>{escape(latest.label)}</b> ({escape(latest.datetime or "no timestamp")}); '
+    dirty_note = (f"; {len(left_out)} run(s) of a dirty tree left out (--include-dirty shows them, "
+                  f"marked)" if left_out else "")
+    if include_dirty and any(r.dirty for r in shown):
+        dirty_note = '; <span class="dirty">runs of a dirty tree included, marked +dirty</span>'
+    strategies = "".join(f"<tr><td>{escape(s)}</td><td>{escape(note_for(s))}</td></tr>"
+                         for s in colours if note_for(s))
+    head = (f'<h1>{escape(title)}</h1><p class="meta">{len(shown)} committed run(s){dirty_note}; '
             f'generated {generated}. Bytes: MemTracker on CPU, CUDA max_memory_allocated on GPU; '
-            f'smaller is better everywhere. Under each latest figure: its change against the previous '
-            f'run ("prev") and the baseline ("base": {escape(", ".join(sorted(baselines)) or "none")}).'
-            f'</p><p class="meta">{toc}</p>')
-    body = "\n".join(_section(k, s, runs, colours, baselines.get(k)) for k, s in groups)
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>'
-            f'<style>{CSS}</style></head><body>{head}\n{body}</body></html>\n')
+            f'smaller is better. Each section shows the latest run of that scenario on that device '
+            f'kind; ratios are value / reference, differences value - reference.</p>'
+            f'<h2>Headline figures (MiB)</h2>{summary_table(headline.headline_rows(views))}'
+            f'<details open><summary class="meta">what the strategy names mean</summary>'
+            f'<table class="names">{strategies}</table></details>{_nav(views)}')
+    body = []
+    for kind in sorted({v.kind for v in views}):
+        body.append(f'<h2 id="{anchor(kind, "")}">{escape(kind)}</h2>')
+        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections)
+                 for v in views if v.kind == kind]
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>{escape(title)}</title><style>{CSS}</style></head><body>{head}\n'
+            + "\n".join(body) + "</body></html>\n")
+
+
+def committed_result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """The results files git tracks under ``results_dir`` (all ``*.json`` there without git)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--", "*.json"], cwd=results_dir, check=True,
+                             capture_output=True, text=True).stdout.split()
+        files = [results_dir / f for f in out if "/" not in f]
+    except (OSError, subprocess.CalledProcessError):
+        files = sorted(results_dir.glob("*.json"))
+    return sorted(files)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="pytest-benchmark JSON files, one per run")
+    parser.add_argument("results", nargs="*", help="pytest-benchmark JSON files, one per run "
+                        "(default: the committed benchmarks/results/*.json)")
     parser.add_argument("-o", "--output", required=True, help="HTML file to write")
+    parser.add_argument("--readme", type=Path, help="also write the headline table into this "
+                        "README, between its headline markers")
+    parser.add_argument("--include-dirty", action="store_true",
+                        help="also show runs of a dirty tree (marked +dirty)")
+    parser.add_argument("--open", action="append", default=[], metavar="ANCHOR",
+                        help="draw this section expanded (e.g. gpu-h200-megatron-scale-moe-2048x4096-fp32)")
+    parser.add_argument("--screenshot", type=Path, metavar="PNG",
+                        help="also write a 1280 px wide screenshot of the page (headless Chromium)")
     parser.add_argument("--title", default="stackfix peak-memory benchmarks")
     parser.add_argument("--baselines", type=Path, default=BASELINE_DIR,
                         help="folder of <device_kind>.json baselines (default: the gate's)")
     args = parser.parse_args(argv)
     try:
-        runs = [load_run(p) for p in args.results]
+        runs = [load_run(p) for p in (args.results or committed_result_files())]
+        if not runs:
+            raise ResultsError("no results files")
         kinds = {k for run in runs for k in run.device_kinds}
         paths = {k: baseline_path_for(k, args.baselines) for k in sorted(kinds)}
         baselines = {k: load_run(p) for k, p in paths.items() if p.is_file()}
-    except ResultsError as e:
+        page = render(runs, title=args.title, baselines=baselines,
+                      include_dirty=args.include_dirty, open_sections=tuple(args.open))
+        if args.readme:
+            shown, _ = committed_runs(runs, include_dirty=args.include_dirty)
+            table = headline.readme_block(headline.headline_rows(scenario_views(shown, baselines)))
+            changed = headline.update_readme(args.readme, table)
+            print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
+    except (ResultsError, ValueError) as e:
         print(f"dashboard: {e}", file=sys.stderr)
         return 2
-    Path(args.output).write_text(render(runs, title=args.title, baselines=baselines))
+    Path(args.output).write_text(page)
     print(f"dashboard: {len(runs)} run(s) -> {args.output}")
+    if args.screenshot:
+        chromium = _browser.find_chromium()
+        if chromium is None:
+            print("dashboard: --screenshot needs Chromium (apt-get install chromium, or "
+                  "$STACKFIX_CHROMIUM)", file=sys.stderr)
+            return 2
+        _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
+        print(f"dashboard: screenshot -> {args.screenshot}")
     return 0
 
 

@@ -1,12 +1,13 @@
 """Compare a benchmark run to the committed baseline of its device kind; fail on memory growth.
 
     python -m benchmarks.gate RESULTS.json [--baseline PATH] [--tolerance 0.005]
-                              [--allow-missing] [--github-json PATH]
+                              [--allow-missing] [--github-json PATH] [--markdown PATH]
 
 The baseline is pytest-benchmark JSON from a reference run, filed per device kind under
 ``benchmarks/baselines/<kind>.json`` (``cpu.json``, ``gpu-h200.json``); ``--baseline`` uses one
 file for every row instead. Prints one line per figure (scenario, strategy, metric, baseline,
-now, delta, ratio, verdict).
+now, delta, ratio, verdict); ``--markdown`` writes the verdict and the memory figures that moved
+as GitHub markdown (``ci/benchmarks.yml`` posts it on the pull request).
 
 Exit status: 0 all memory figures within tolerance; 1 a memory figure (``*_bytes``) grew by
 more than the tolerance; 2 the run cannot be compared (no baseline file for a device kind, a
@@ -151,6 +152,37 @@ def format_table(comparisons: list[Comparison]) -> str:
     return "\n".join(text)
 
 
+def markdown_report(comparisons: list[Comparison], tolerance: float) -> str:
+    """The gate's verdict as GitHub markdown (a pull request comment): a headline, a table of
+    the memory figures that moved or could not be compared, and every memory figure folded
+    under ``<details>``."""
+    memory = [c for c in comparisons if is_memory_metric(c.metric)]
+    regressed = [c for c in memory if c.verdict == "REGRESSED"]
+    moved = [c for c in memory if c.verdict != "ok"]
+    if regressed:
+        title = f"{len(regressed)} figure(s) REGRESSED beyond {tolerance:.2%}"
+    elif moved:
+        title = f"no regression beyond {tolerance:.2%}; {len(moved)} figure(s) moved or unmatched"
+    else:
+        title = f"all {len(memory)} memory figure(s) within {tolerance:.2%}"
+    header = ("| device | scenario | strategy | figure | baseline | now | change | verdict |\n"
+              "|---|---|---|---|---|---|---|---|")
+
+    def line(c: Comparison) -> str:
+        change = fmt(c.metric, c.delta, signed=True)
+        if c.ratio is not None and c.baseline:
+            change += f" ({c.ratio - 1:+.2%})"
+        return (f"| {c.device_kind} | {c.scenario} | {c.strategy} | {c.metric} | "
+                f"{fmt(c.metric, c.baseline)} | {fmt(c.metric, c.now)} | {change} | {c.verdict} |")
+
+    out = [f"### Peak-memory gate: {title}", ""]
+    if moved:
+        out += [header, *map(line, moved), ""]
+    out += ["<details><summary>every memory figure against the baseline</summary>", "",
+            header, *map(line, memory), "", "</details>", ""]
+    return "\n".join(out)
+
+
 def github_benchmark_entries(rows: list[Row]) -> list[dict]:
     """github-action-benchmark's ``customSmallerIsBetter`` input: one entry per figure (every
     figure here is smaller-is-better: bytes, FLOPs, the single/multi-thread time ratio)."""
@@ -198,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not fail on benchmarks without a baseline entry or baseline entries not run")
     parser.add_argument("--github-json", metavar="PATH",
                         help="also write github-action-benchmark customSmallerIsBetter JSON here")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write the verdict as GitHub markdown here (a PR comment)")
     parser.add_argument("--explain", action="store_true",
                         help="print the smallest gap between strategies (what the tolerance must stay below)")
     args = parser.parse_args(argv)
@@ -219,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.github_json).write_text(json.dumps(github_benchmark_entries(run.rows), indent=2) + "\n")
 
     comparisons = compare(run.rows, baseline_rows, tolerance=tolerance)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(comparisons, tolerance))
     print(format_table(comparisons))
     print()
     if args.explain:

@@ -1,4 +1,5 @@
-"""Unit tests of the dashboard builder (python -m benchmarks.dashboard) on hand-made runs."""
+"""Unit tests of the dashboard builder (python -m benchmarks.dashboard) and the headline table,
+on hand-made runs."""
 
 from __future__ import annotations
 
@@ -7,95 +8,168 @@ import re
 
 import pytest
 
-from benchmarks import dashboard
+from benchmarks import _svg, _views, dashboard, headline
 from benchmarks._results import run_from_json
 
 pytestmark = pytest.mark.cpu
 
 MiB = 2**20
+SCN = "recompute-reclaim/chunked-mtp"
 
 
-def bench(scenario, strategy, kind="cpu", **metrics):
+def bench(scenario, strategy, kind="cpu", env=None, **metrics):
     return {"name": strategy, "extra_info": {"scenario": scenario, "strategy": strategy,
-                                             "device_kind": kind, **metrics}}
+                                             "device_kind": kind, **(env or {}), **metrics}}
 
 
-def run(commit, when, *benches):
+def run(commit, when, *benches, dirty=False, path=""):
     return run_from_json({"benchmarks": list(benches), "datetime": when,
-                          "commit_info": {"id": commit, "dirty": False}})
+                          "commit_info": {"id": commit, "dirty": dirty}}, path=path)
+
+
+def section(html, kind, scenario):
+    return html.split(f'id="{dashboard.anchor(kind, scenario)}"')[1].split("</details>")[0]
 
 
 OLD = run("1111111111", "2026-11-01T00:00:00",
-          bench("reclaim/chunked", "none", peak_bytes=40 * MiB),
-          bench("reclaim/chunked", "unsafe", peak_bytes=30 * MiB),
-          bench("reclaim/chunked", "ours", peak_bytes=33 * MiB))
+          bench(SCN, "none", peak_bytes=40 * MiB),
+          bench(SCN, "mtp-skip", peak_bytes=34 * MiB),
+          bench(SCN, "ours", peak_bytes=33 * MiB))
 NEW = run("2222222222", "2026-11-02T00:00:00",
-          bench("reclaim/chunked", "none", peak_bytes=40 * MiB),
-          bench("reclaim/chunked", "ours", peak_bytes=32 * MiB, recompute_flops=2e9),
-          bench("ac/llama3", "full", kind="gpu-h200", peak_bytes=1.5 * 2**30))
+          bench(SCN, "none", peak_bytes=40 * MiB),
+          bench(SCN, "unsafe", crashed="SIGSEGV"),
+          bench(SCN, "mtp-skip", peak_bytes=34 * MiB),
+          bench(SCN, "ours", peak_bytes=32 * MiB))
+GPU = run("3333333333", "2026-11-03T00:00:00",
+          bench("megatron-scale/moe/2048x4096/fp32", "none", kind="gpu-h200", peak_bytes=8000 * MiB),
+          bench("megatron-scale/moe/2048x4096/fp32", "verl-0.8.0", kind="gpu-h200", peak_bytes=7840 * MiB),
+          bench("megatron-scale/moe/2048x4096/fp32", "ours", kind="gpu-h200", peak_bytes=7840 * MiB))
 
 
-def test_one_section_per_device_kind_and_scenario_newest_run_is_latest():
-    html = dashboard.render([NEW, OLD])  # order of the arguments does not matter
-    assert re.findall(r'<h2 id="([^"]+)"', html) == ["cpu-reclaim-chunked", "gpu-h200-ac-llama3"]
-    assert "latest <b>22222222</b>" in html
-    assert "latest run (22222222)" in html
+def test_each_section_shows_the_latest_run_of_its_own_scenario_and_kind():
+    html = dashboard.render([GPU, NEW, OLD])  # a newer GPU run of another scenario
+    assert re.findall(r'<details class="scn" id="([^"]+)"', html) == [
+        "cpu-recompute-reclaim-chunked-mtp", "gpu-h200-megatron-scale-moe-2048x4096-fp32"]
+    cpu = section(html, "cpu", SCN)
+    assert "latest 22222222 11-02 00:00" in cpu and "previous: 11111111 11-01 00:00" in cpu
+    assert "33333333" not in cpu
+    assert "not in the latest run" not in html
 
 
-def test_latest_and_history_are_per_device_kind():
-    gpu_only = run("3333333333", "2026-11-03T00:00:00",
-                   bench("reclaim/chunked", "ours", kind="gpu-h200", peak_bytes=90 * MiB))
-    html = dashboard.render([OLD, NEW, gpu_only])
-    cpu = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
-    assert "not in the latest run" not in cpu and "latest run (22222222)" in cpu
-    assert "history over 2 run(s)" in cpu and "33333333" not in cpu
-    gpu = html.split('<h2 id="gpu-h200-reclaim-chunked"')[1].split("<h2")[0]
-    assert "latest run (33333333)" in gpu
+def test_dirty_runs_are_left_out_unless_asked_and_then_marked():
+    dirty = run("4444444444", "2026-11-04T00:00:00", bench(SCN, "ours", peak_bytes=1 * MiB),
+                dirty=True)
+    html = dashboard.render([OLD, NEW, dirty])
+    assert "44444444" not in html and "1 run(s) of a dirty tree left out" in html
+    marked = dashboard.render([OLD, NEW, dirty], include_dirty=True)
+    assert "latest 44444444+dirty" in section(marked, "cpu", SCN)
+    assert 'class="dirty">dirty tree' in section(marked, "cpu", SCN)
+    with pytest.raises(ValueError, match="dirty tree"):
+        dashboard.render([dirty])
 
 
-def test_unknown_commit_is_labelled_by_file_name(tmp_path):
+def test_a_run_without_a_commit_is_labelled_by_its_date(tmp_path):
     path = tmp_path / "gpu-h200-abc.json"
     path.write_text(json.dumps({"benchmarks": [bench("s", "x", peak_bytes=1)],
-                                "datetime": "2026-11-03T00:00:00",
+                                "datetime": "2026-11-03T10:18:00",
                                 "commit_info": {"id": "unknown", "dirty": False}}))
-    assert dashboard.load_run(str(path)).label == "gpu-h200-abc"
+    r = dashboard.load_run(str(path))
+    assert r.label == "gpu-h200-abc" and _views.short_label(r) == "commit? 11-03 10:18"
 
 
-def test_strategies_side_by_side_with_na_for_a_strategy_the_latest_run_lacks():
-    html = dashboard.render([OLD, NEW])
-    section = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
-    peak_card = section.split("peak memory")[1].split('class="card"')[0]
-    bars_svg = peak_card.split("<svg")[1]
-    labels = re.findall(r'text-anchor="end" fill="#222">([^<]+)</text>', bars_svg)
-    assert labels == ["none", "unsafe", "ours"]
-    assert ">n/a</text>" in bars_svg  # unsafe is not in the latest run
-    assert "ours: 32.00 MiB" in bars_svg and "none: 40.00 MiB" in bars_svg
+def test_every_strategy_against_no_reclaim_and_each_verl_release():
+    cpu = section(dashboard.render([OLD, NEW]), "cpu", SCN)
+    table = cpu.split("<table>")[1].split("</table>")[0]
+    assert re.findall(r"<th>(vs [^<]+)</th>", table) == [
+        "vs no reclaim", "vs verl 0.8.0", "vs verl 0.9.1", "vs previous run", "vs baseline"]
+    ours = table.split("ours</span></td>")[1].split("</tr>")[0]
+    # 32 MiB: 0.800 of none (-8 MiB), verl 0.8.0 crashed (no ratio), 0.941 of mtp-skip (-2 MiB)
+    assert re.findall(r'class="good">([\d.]+)</span> <span class="note">([^<]+)<', ours) == [
+        ("0.800", "-8.00 MiB"), ("0.941", "-2.00 MiB")]
+    assert "-3.03%" in ours  # 33 -> 32 MiB since the previous run
 
 
-def test_history_draws_one_point_per_run_and_strategy():
-    html = dashboard.render([OLD, NEW])
-    section = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
-    history = section.split("peak memory")[1].split("history over 2 run(s)")[1]
-    points = re.findall(r"<title>([^<]+)</title></circle>", history)
-    assert points == ["none @ 11111111: 40.00 MiB", "none @ 22222222: 40.00 MiB",
-                      "unsafe @ 11111111: 30.00 MiB",
-                      "ours @ 11111111: 33.00 MiB", "ours @ 22222222: 32.00 MiB"]
-    assert "one run so far" in dashboard.render([NEW])
+def test_a_crashed_strategy_shows_as_crashed_with_its_error():
+    cpu = section(dashboard.render([OLD, NEW]), "cpu", SCN)
+    assert '<span class="crashed">crashed (SIGSEGV)</span>' in cpu
+    rows = headline.headline_rows(_views.scenario_views([NEW]))
+    assert headline.cells_of(rows[0])[4] == "crashed (SIGSEGV)"
+    assert headline.cells_of(rows[0])[8] == "-- (crashed)"  # ours / verl 0.8.0
+
+
+def test_the_section_summary_gives_ours_against_no_reclaim_and_the_previous_run():
+    cpu = section(dashboard.render([OLD, NEW]), "cpu", SCN)
+    summary = cpu.split("</summary>")[0]
+    assert "ours / none, peak: " in summary and ">0.800</span>" in summary
+    assert "vs previous run -3.03%" in summary
+
+
+def test_change_against_the_baseline():
+    base = run("0000000000", "2026-10-01T00:00:00", bench(SCN, "ours", peak_bytes=40 * MiB))
+    html = dashboard.render([OLD, NEW], baselines={"cpu": base})
+    ours = section(html, "cpu", SCN).split("ours</span></td>")[1].split("</tr>")[0]
+    assert "<td>-20.00%</td>" in ours
+
+
+def test_history_labels_are_distinct_and_environment_changes_are_noted():
+    a = run("5555555555", "2026-11-05T09:00:00",
+            bench(SCN, "ours", env={"torch_version": "2.13.0"}, peak_bytes=32 * MiB))
+    b = run("5555555555", "2026-11-05T10:00:00",
+            bench(SCN, "ours", env={"torch_version": "2.15.0"}, peak_bytes=32.32 * MiB))
+    view = _views.scenario_views([a, b])[0]
+    assert [p.label for p in view.history] == ["55555555 11-05 09:00", "55555555 11-05 10:00"]
+    assert view.env_changes == [(1, "torch 2.13.0 -> 2.15.0")]
+    html = section(dashboard.render([a, b]), "cpu", SCN)
+    assert "environment changed at 55555555 11-05 10:00: torch 2.13.0 -&gt; 2.15.0" in html
+    assert "<title>environment changed: torch 2.13.0 -&gt; 2.15.0</title>" in html
+    ticks = re.findall(r'text-anchor="end" fill="#666">([^<]+)</text>', html)
+    assert len(ticks) == len(set(ticks)) >= 3
+
+
+def test_the_y_axis_shows_a_one_percent_change():
+    lo, hi = _svg.y_range([100.0, 101.0])
+    assert 1.0 / (hi - lo) >= 0.4
+    lo, hi = _svg.y_range([100.0, 100.0])  # flat: still a scale a 1% move would show on
+    assert hi - lo == pytest.approx(2.4)
+    values, decimals = _svg.nice_ticks(7787.7, 7947.7)
+    assert len({f"{v:.{decimals}f}" for v in values}) == len(values) >= 3
 
 
 def test_page_is_self_contained():
-    html = dashboard.render([OLD, NEW])
+    html = dashboard.render([OLD, NEW, GPU])
     assert "<script" not in html.lower()
     assert not re.search(r'(src|href)="(https?:)?//', html)
     assert html.count("<svg") == html.count("</svg>") > 0
 
 
-def test_cli_writes_the_page_and_reports_bad_input(tmp_path, capsys):
-    good = tmp_path / "run.json"
-    good.write_text(json.dumps({"benchmarks": [bench("s", "a", peak_bytes=1)]}))
+def test_headline_table_reads_the_committed_runs_and_says_not_run_without_one():
+    rows = headline.headline_rows(_views.scenario_views([GPU]))
+    cells = {(r.cell.kind, r.cell.scenario, r.metric): headline.cells_of(r) for r in rows}
+    gpu = cells[("gpu-h200", "megatron-scale/moe/2048x4096/fp32", "peak_bytes")]
+    assert gpu[3:10] == ["8000.0", "7840.0", "not run", "7840.0", "0.980 (-160.00)", "1.000 (±0)", "--"]
+    assert gpu[10] == "33333333 11-03 00:00"
+    assert cells[("cpu", SCN, "peak_bytes")][-1] == "not run"
+
+
+def test_cli_writes_the_page_and_only_the_readme_block(tmp_path, capsys):
+    result = tmp_path / "run.json"
+    result.write_text(json.dumps({"benchmarks": [b for b in (
+        bench("megatron-scale/moe/2048x4096/fp32", s, kind="gpu-h200", peak_bytes=v * MiB)
+        for s, v in (("none", 8000), ("ours", 7840)))], "datetime": "2026-11-03T00:00:00",
+        "commit_info": {"id": "3333333333", "dirty": False}}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# top\nhand text\n{headline.README_BEGIN}\nold table\n{headline.README_END}\ntail\n")
     out = tmp_path / "d.html"
-    assert dashboard.main([str(good), "-o", str(out)]) == 0
+    assert dashboard.main([str(result), "-o", str(out), "--readme", str(readme),
+                           "--baselines", str(tmp_path)]) == 0
     assert out.read_text().startswith("<!doctype html>")
+    text = readme.read_text()
+    assert text.startswith("# top\nhand text\n") and text.endswith(f"{headline.README_END}\ntail\n")
+    assert "old table" not in text and "| 8000.0 |" in text
+    readme.write_text("no markers\n")
+    assert dashboard.main([str(result), "-o", str(out), "--readme", str(readme)]) == 2
+    assert "no '<!-- headline:begin" in capsys.readouterr().err
+    assert readme.read_text() == "no markers\n"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert dashboard.main([str(bad), "-o", str(out)]) == 2
@@ -107,38 +181,14 @@ def test_render_needs_a_run():
         dashboard.render([])
 
 
-def test_a_strategy_of_the_scenario_family_missing_in_a_variant_is_na():
-    html = dashboard.render([run("3333333333", "2026-11-03T00:00:00",
-                                 bench("reclaim/plain", "unsafe", peak_bytes=30 * MiB),
-                                 bench("reclaim/plain", "ours", peak_bytes=30 * MiB),
-                                 bench("reclaim/chunked", "ours", peak_bytes=31 * MiB))])
-    chunked = html.split('<h2 id="cpu-reclaim-chunked"')[1].split("<h2")[0]
-    assert "<tr><td>unsafe</td><td>n/a<br>" in chunked
-    assert ">n/a</text>" in chunked.split("<svg")[1]
+def test_without_files_the_cli_reads_the_committed_results():
+    files = dashboard.committed_result_files()
+    assert files and all(f.parent == dashboard.RESULTS_DIR and f.suffix == ".json" for f in files)
 
 
-def test_latest_figures_show_their_change_against_previous_run_and_baseline():
-    base = run("0000000000", "2026-10-01T00:00:00",
-               bench("reclaim/chunked", "ours", peak_bytes=40 * MiB),
-               bench("reclaim/chunked", "none", peak_bytes=40 * MiB))
-    html = dashboard.render([OLD, NEW], baselines={"cpu": base})
-    table = html[html.index('id="cpu-reclaim-chunked"'):html.index("</table>")]
-    rows = {r.split("</td>")[0]: r for r in table.split("<tr><td>")[1:]}
-    # ours: 32 MiB now, 33 MiB in the previous run, 40 MiB in the baseline
-    assert "prev -3.03% · base -20.00%" in rows["ours"]
-    assert "prev +0.00% · base +0.00%" in rows["none"]
-    # unsafe is not in the latest run: n/a, no delta to show
-    assert "n/a" in rows["unsafe"] and "prev - · base -" in rows["unsafe"]
-
-
-def test_cli_compares_with_the_baseline_of_each_device_kind(tmp_path):
-    base_dir = tmp_path / "baselines"
-    base_dir.mkdir()
-    (base_dir / "cpu.json").write_text(json.dumps({"benchmarks": [
-        bench("reclaim/chunked", "ours", peak_bytes=16 * MiB)], "datetime": "2026-10-01T00:00:00"}))
-    result = tmp_path / "r.json"
-    result.write_text(json.dumps({"benchmarks": [bench("reclaim/chunked", "ours",
-                                                       peak_bytes=32 * MiB)]}))
-    out = tmp_path / "d.html"
-    assert dashboard.main([str(result), "-o", str(out), "--baselines", str(base_dir)]) == 0
-    assert "base +100.00%" in out.read_text()
+def test_a_move_beyond_the_tolerance_in_the_same_environment_names_the_commits():
+    html = section(dashboard.render([OLD, NEW]), "cpu", SCN)  # ours 33 -> 32 MiB, same env
+    assert ("at 22222222 11-02 00:00: peak_bytes moved by more than 0.5% with the same "
+            "environment: the code between 11111111 and 22222222 (git log 11111111..22222222)") in html
+    view = _views.scenario_views([OLD, NEW])[0]
+    assert view.code_changes(0.05) == []  # 3% is within 5%

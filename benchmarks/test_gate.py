@@ -175,3 +175,25 @@ def test_smallest_strategy_gap_ignores_equal_figures():
         bench("s", "c", peak_bytes=98, end_of_backward_bytes=50))).rows
     gap, where = gate.smallest_strategy_gap(rows)
     assert gap == pytest.approx(0.02) and "peak_bytes" in where
+
+
+def test_markdown_report_for_a_pull_request_comment(tmp_path, baseline_dir):
+    run = write(tmp_path / "run.json", results(
+        bench("reclaim/plain", "none", peak_bytes=110 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB)))
+    md = tmp_path / "gate.md"
+    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--markdown", str(md)]) == 1
+    text = md.read_text()
+    assert text.splitlines()[0].startswith("### Peak-memory gate: 1 figure(s) REGRESSED beyond 0.50%")
+    # the figures that moved are in the first table, every memory figure in the folded one
+    moved = text.split("<details>")[0]
+    assert "| cpu | reclaim/plain | none | peak_bytes | 100.00 MiB | 110.00 MiB | +10.00 MiB (+10.00%) | REGRESSED |" in moved
+    assert "end_of_backward_bytes" not in moved.split("| REGRESSED |")[1]
+    assert text.count("| ok |") == 3
+
+
+def test_markdown_report_when_everything_holds(tmp_path, baseline_dir):
+    run = write(tmp_path / "run.json", json.loads((baseline_dir / "cpu.json").read_text()))
+    md = tmp_path / "gate.md"
+    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--markdown", str(md)]) == 0
+    assert md.read_text().startswith("### Peak-memory gate: all 4 memory figure(s) within 0.50%")

@@ -1,0 +1,204 @@
+"""One scenario's section of the dashboard: the collapsible ``<details>`` with its summary
+line, the run it shows (commit, date, environment), a table per figure and the figure's history.
+
+Contract (for ``section``): the summary line -- visible while collapsed -- holds the section's
+main comparison (``benchmarks._compare.main_pair``) in a ``class="delta"`` span. Each table has a
+row per strategy of the scenario's family: its value (bytes in MiB, ``crashed (NAME)``, or "not
+in this run"), then for additive figures (bytes, FLOPs) its ratio and difference against no
+reclaim and each verl release present in the family, then its change against the previous run
+and the baseline. Notes name environment changes and moves beyond the gate's tolerance in the
+same environment. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+from pathlib import Path
+
+from benchmarks import _svg
+from benchmarks._compare import REFERENCES, main_pair, note_for, reference_rows, versus
+from benchmarks._format import fmt
+from benchmarks._results import Row, unit_of
+from benchmarks._views import ENV_KEYS, ScenarioView
+from benchmarks.gate import DEFAULT_TOLERANCE
+
+# Figures in the order a reader wants them; any other figure follows, sorted.
+METRIC_ORDER = ("peak_bytes", "retained_bytes", "after_forward_bytes", "end_of_backward_bytes",
+                "step_time_vs_none_ratio", "recompute_flops", "backward_flops", "step_time_ratio",
+                "sanitizer_step_time_ratio")
+METRIC_TITLES = {
+    "peak_bytes": "peak memory",
+    "retained_bytes": "kept between steps (the leak)",
+    "after_forward_bytes": "live after forward (kept for backward)",
+    "end_of_backward_bytes": "live at the end of backward",
+    "step_time_vs_none_ratio": "step time / no reclaim (median of interleaved ratios; not gated)",
+    "recompute_flops": "recompute FLOPs (backward minus backward without AC)",
+    "backward_flops": "backward FLOPs",
+    "step_time_ratio": "step time, single-threaded / multithreaded backward",
+    "step_time_single_threaded_s": "step time, single-threaded backward (median)",
+    "step_time_multithreaded_s": "step time, multithreaded backward (median)",
+    "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (medians)",
+    "step_time_s": "step time (median of interleaved rounds)",
+    "sanitizer_step_time_min_ratio": "fastest step under the sanitizer(s) / without",
+    "step_time_min_s": "step time (fastest of interleaved rounds)",
+}
+
+
+def anchor(kind: str, scenario: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{kind}-{scenario}")
+
+
+def _metric_sort_key(metric: str):
+    return (METRIC_ORDER.index(metric) if metric in METRIC_ORDER else len(METRIC_ORDER), metric)
+
+
+def _relative(now: float | None, then: float | None) -> str:
+    if now is None or then is None:
+        return "--"
+    if then == 0:
+        return "±0" if now == 0 else "new"
+    change = (now - then) / abs(then)
+    return "±0" if change == 0 else f"{change:+.2%}"
+
+
+def _versus_cell(metric: str, v) -> str:
+    if v is None or v.ratio is None:
+        return "--"
+    diff = "±0" if v.difference == 0 else _text(metric, v.difference, signed=True)
+    cls = "good" if v.difference < 0 else "bad" if v.difference > 0 else ""
+    return f'<span class="{cls}">{v.ratio:.3f}</span> <span class="note">{escape(diff)}</span>'
+
+
+def _text(metric: str, value: float | None, *, signed: bool = False) -> str:
+    """A table's figure: bytes in MiB (two decimals under 100 MiB, one above; KiB only under
+    0.01 MiB) so figures of one scenario share a unit; anything else as ``fmt`` writes it."""
+    if value is None or unit_of(metric) != "bytes" or abs(value) < 2**10:
+        return fmt(metric, value, signed=signed)
+    sign = "+" if signed and value > 0 else ""
+    if abs(value) < 0.01 * 2**20:
+        return f"{sign}{value / 2**10:.1f} KiB"
+    mib = value / 2**20
+    return f"{sign}{mib:.2f} MiB" if abs(mib) < 100 else f"{sign}{mib:.1f} MiB"
+
+
+def _value_cell(row: Row | None, metric: str) -> str:
+    if row is None:
+        return '<span class="note">not in this run</span>'
+    if row.crashed:
+        return f'<span class="crashed">crashed ({escape(row.crashed)})</span>'
+    return escape(_text(metric, row.metrics.get(metric)))
+
+
+def _axis(metric: str):
+    """Y ticks for ``metric`` as (value, label): round steps in the unit the tables use (bytes:
+    MiB), printed with the decimals the step needs."""
+    def ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+        name, size = "", 1.0
+        if unit_of(metric) == "bytes":
+            # the tables' unit: MiB from 1 MiB up to 100 GiB
+            name, size = next(((f" {n}", s) for n, s in (("GiB", 100 * 2**30), ("MiB", 2**20),
+                                                          ("KiB", 2**10)) if max(abs(lo), abs(hi)) >= s),
+                              (" B", 1))
+            size = 2**30 if name == " GiB" else size
+        elif unit_of(metric) == "x":
+            name = "x"
+        elif unit_of(metric) == "s":
+            name, size = " ms", 1e-3
+        values, decimals = _svg.nice_ticks(lo / size, hi / size)
+        return [(v * size, f"{v:.{decimals}f}{name}") for v in values]
+    return ticks
+
+
+def _env_text(point) -> str:
+    env = point.env
+    return " · ".join(f"{name} {escape(env[k])}" for k, name in ENV_KEYS if k in env)
+
+
+def _summary_delta(view: ScenarioView, metrics: list[str]) -> str:
+    pair = main_pair(view.strategies)
+    if not pair or not metrics:
+        return ""
+    subject, reference = pair
+    metric = metrics[0]
+    rows = view.latest.rows
+    head = f"{escape(subject)} / {escape(reference)}, {escape(metric.removesuffix('_bytes'))}: "
+    if subject in rows and rows[subject].crashed:
+        return f'<span class="delta">{head}<span class="crashed">crashed ({escape(rows[subject].crashed)})</span></span>'
+    v = versus(rows.get(subject), rows.get(reference), metric)
+    text = head + _versus_cell(metric, v)
+    prev = view.previous.rows.get(subject) if view.previous else None
+    now = rows.get(subject)
+    change = ("none (first run)" if view.previous is None else
+              _relative(now.metrics.get(metric) if now else None,
+                        prev.metrics.get(metric) if prev else None))
+    text += f' <span class="note">· vs previous run {escape(change)}</span>'
+    return f'<span class="delta">{text}</span>'
+
+
+def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    latest = view.latest.rows
+    # A ratio or a time is compared with its own previous run and baseline only: a step-time
+    # ratio already is "against no reclaim".
+    refs = [(title, row) for title, row in reference_rows(latest)
+            if any(n in view.strategies for n in dict(REFERENCES)[title])
+            and unit_of(metric) in ("bytes", "FLOPs")]
+    previous = view.previous.rows if view.previous else {}
+    head = "".join(f"<th>vs {escape(t)}</th>" for t, _ in refs)
+    out = [f'<table><tr><th>strategy</th><th>{escape(unit_of(metric) or "value")}</th>{head}'
+           f'<th>vs previous run</th><th>vs baseline</th></tr>']
+    for s in view.strategies:
+        row = latest.get(s)
+        now = row.metrics.get(metric) if row else None
+        if row is not None and not row.crashed and now is None:
+            continue  # this strategy has no such figure
+        cells = [_versus_cell(metric, versus(row, ref, metric)) if ref is not row else "--"
+                 for _, ref in refs]
+        prev = previous[s].metrics.get(metric) if s in previous else None
+        base = view.baseline[s].metrics.get(metric) if s in view.baseline else None
+        out.append(f'<tr><td title="{escape(note_for(s))}"><span class="key"><i style="background:'
+                   f'{colours.get(s, "#999")}"></i>{escape(s)}</span></td><td>{_value_cell(row, metric)}</td>'
+                   + "".join(f"<td>{c}</td>" for c in cells)
+                   + f"<td>{escape(_relative(now, prev))}</td><td>{escape(_relative(now, base))}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _history(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    if len(view.history) < 2:
+        return '<p class="note">history: one committed run of this scenario so far.</p>'
+    labels = [tuple(p.label.split(" ", 1)) if " " in p.label else (p.label, "") for p in view.history]
+    series = [(s, [p.rows[s].metrics.get(metric) if s in p.rows else None for p in view.history],
+               colours.get(s, "#999")) for s in view.strategies]
+    series = [s for s in series if any(v is not None for v in s[1])]
+    return _svg.line_chart(labels, series, lambda v: fmt(metric, v), _axis(metric),
+                           marks=view.env_changes)
+
+
+def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False) -> str:
+    """One scenario on one device kind (see the module docstring)."""
+    metrics = sorted(view.metrics, key=_metric_sort_key)
+    latest = view.latest
+    run = latest.run
+    dirty = ' <span class="dirty">dirty tree</span>' if run.dirty else ""
+    prev = view.previous
+    out = [f'<details class="scn" id="{anchor(view.kind, view.scenario)}"{" open" if open_ else ""}>'
+           f'<summary><b>{escape(view.scenario)}</b> <span class="meta">({escape(view.kind)}; '
+           f'latest {escape(latest.label)})</span>{dirty}{_summary_delta(view, metrics)}</summary>',
+           f'<p class="meta">latest run of this scenario on {escape(view.kind)}: commit '
+           f'<b>{escape(run.commit[:12] or "unknown (no git)")}</b>{dirty}, {escape(run.date or "no date")} UTC'
+           f' · {_env_text(latest) or "environment not recorded"} · file {escape(Path(run.path).name)}'
+           f'<br>previous: {escape(prev.label) if prev else "none"} · baseline: '
+           f'{"benchmarks/baselines/" + escape(view.kind) + ".json" if view.baseline else "none"} · '
+           f'{len(view.history)} run(s) in the history</p>']
+    for i, note in view.env_changes:
+        out.append(f'<p class="note">environment changed at {escape(view.history[i].label)}: '
+                   f'{escape(note)}</p>')
+    for i, note in view.code_changes(DEFAULT_TOLERANCE):
+        out.append(f'<p class="note">at {escape(view.history[i].label)}: {escape(note)}</p>')
+    for metric in metrics:
+        out.append(f'<h3>{escape(METRIC_TITLES.get(metric, metric))} '
+                   f'<span class="meta">[{escape(metric)}]</span></h3><div class="fig">'
+                   f'{_figure_table(view, metric, colours)}{_history(view, metric, colours)}</div>')
+    out.append("</details>")
+    return "\n".join(out)

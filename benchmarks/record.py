@@ -1,0 +1,67 @@
+"""File a benchmark run under ``benchmarks/results/`` for the dashboard's history.
+
+    python -m benchmarks.record RESULTS.json [--allow-dirty] [--results-dir DIR]
+
+Contract: the run is copied, unchanged, to ``<kind>-<YYYYMMDDTHHMM>-<commit8>.json``. A run of a
+dirty tree, or one whose commit git could not name, is refused (exit 2) -- its figures belong to
+no commit a reader can check out -- unless ``--allow-dirty``. Then a dirty tree's file name
+ends in ``-dirty`` and the dashboard leaves it out unless built with ``--include-dirty`` (which
+marks it); a run without a commit is filed as ``nocommit`` and shown labelled ``commit?``.
+Exit 0 with the path printed; 2 when refused or unreadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from benchmarks._results import ResultsError, Run, load_run
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def file_name(run: Run) -> str:
+    stamp = run.datetime[:16].replace("-", "").replace(":", "")  # 20261130T1942
+    commit = run.commit[:8] or "nocommit"
+    return f"{'+'.join(run.device_kinds)}-{stamp}-{commit}{'-dirty' if run.dirty else ''}.json"
+
+
+def refusal(run: Run) -> str | None:
+    """Why ``run`` must not be recorded without ``--allow-dirty``; None when it may."""
+    if not run.rows:
+        return "it has no benchmarks (all skipped?)"
+    if run.dirty:
+        return f"it ran on a dirty tree (commit {run.commit[:8]} plus uncommitted changes)"
+    if not run.commit:
+        return "git could not name its commit (commit_info.id is unknown)"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.record",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="pytest-benchmark JSON of one run")
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="record a run of a dirty tree (or without a commit), marked -dirty")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    try:
+        run = load_run(args.results)
+    except ResultsError as e:
+        print(f"record: {e}", file=sys.stderr)
+        return 2
+    why = refusal(run)
+    if why and not (args.allow_dirty and run.rows):
+        print(f"record: refused: {why}; commit first, or pass --allow-dirty", file=sys.stderr)
+        return 2
+    target = args.results_dir / file_name(run)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(args.results, target)
+    print(f"record: {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
