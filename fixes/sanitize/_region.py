@@ -21,6 +21,7 @@ recompute sees the ops after this one, in the forward and the recompute alike.
 from __future__ import annotations
 
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class RecomputeMismatchError(RuntimeError):
 
 # -- call sites, kept raw (code object, line) and formatted only for an error -----------------
 
-_USER, _SKIP, _HOOK = 0, 1, 2
+_USER, _SKIP, _HOOK, _BOUNDARY = 0, 1, 2, 3
 _kind_of_code: dict = {}
 # The checkpoints' own saved-tensor hooks run ops (a recompute's pack hook detaches what it
 # keeps) that are not the region's forward code.
@@ -61,7 +62,9 @@ def _kind(code) -> int:
     known = _kind_of_code.get(code)
     if known is None:
         path = code.co_filename
-        if code.co_name in _HOOK_NAMES and (path in _HOOK_FILES or "torch_remat" in path):
+        if code in _BOUNDARIES:
+            known = _BOUNDARY
+        elif code.co_name in _HOOK_NAMES and (path in _HOOK_FILES or "torch_remat" in path):
             known = _HOOK
         elif (path.startswith(_SKIPPED_DIRS) or path in _SKIPPED_FILES
               or path.startswith("<frozen")):
@@ -74,14 +77,18 @@ def _kind(code) -> int:
 
 def raw_site() -> tuple | None:
     """The op's caller, raw: up to ``_SITE_DEPTH`` (code, line) pairs outside torch and this
-    package, innermost first; None for an op a checkpoint's saved-tensor hook runs."""
-    frame, site = sys._getframe(2), []
+    package, innermost first; None for an op a checkpoint's saved-tensor hook runs (a hook
+    frame before any caller's and before the region's own entry: a recompute runs inside the
+    unpack hook that triggered it)."""
+    frame, site, in_region = sys._getframe(2), [], False
     while frame is not None and len(site) < _SITE_DEPTH:
         code = frame.f_code
         kind = _kind(code)
         if kind is _USER:
             site.append((code, frame.f_lineno))
-        elif kind is _HOOK and not site:
+        elif kind is _BOUNDARY:
+            in_region = True
+        elif kind is _HOOK and not site and not in_region:
             return None
         frame = frame.f_back
     return tuple(site)
@@ -239,6 +246,11 @@ class Region:
         return recompute_function
 
 
+# The frames that enter a region's code from the sanitizer (see raw_site).
+_BOUNDARIES = frozenset(c for f in (Region.function, Region.replaying)
+                        for c in f.__code__.co_consts if isinstance(c, types.CodeType))
+
+
 class Replay:
     """One recompute of a region, compared with its forward (a context manager)."""
 
@@ -260,7 +272,8 @@ class Replay:
             return False  # the recompute failed by itself: that error is the news
         self._check_values()
         if not stopped_early and len(self.ops) != len(self.region.ops):
-            self._raise("length", len(self.ops), None,
+            n, forward = len(self.ops), self.region.ops
+            self._raise("length", n, forward[n] if n < len(forward) else None,
                         f"the recompute ran {len(self.ops)} ops, its forward "
                         f"{len(self.region.ops)}")
         return False
@@ -316,7 +329,20 @@ class Replay:
                         f"{_describe_meta(mine.meta)}")
 
     def _check_values(self, upto: int | None = None) -> None:
-        """Raise at the first op (of the first ``upto`` compared) whose values differ."""
+        """Raise at the first op (of the first ``upto`` compared) whose values differ. Its
+        kernels run past every dispatch mode (a selective-AC mode must not count them)."""
+        forward = self.region.ops
+        with torch._C._DisableTorchDispatch():
+            first, first_inexact = self._first_different_values(upto)
+            if first is not None:
+                f, r = forward[first].fingerprint.tolist(), self.ops[first].fingerprint.tolist()
+        if first is not None:
+            exact = "bitwise" if first < first_inexact else "within the atomics tolerance"
+            self._raise("values", first, forward[first],
+                        f"values of {forward[first].op} (expected {exact}): (sum, norm) per "
+                        f"output: forward {_pairs(f)}, recompute {_pairs(r)}")
+
+    def _first_different_values(self, upto: int | None) -> tuple[int | None, int]:
         forward = self.region.ops
         n = min(len(self.ops), len(forward), len(self.ops) if upto is None else upto)
         first_inexact = next((i for i in range(n) if forward[i].inexact), n)
@@ -344,12 +370,7 @@ class Replay:
                     offsets.append(offsets[-1] + forward[i].fingerprint.numel())
                 op_index = indices[next(j for j in range(len(indices)) if offsets[j + 1] > entry)]
                 first = op_index if first is None else min(first, op_index)
-        if first is not None:
-            f, r = forward[first].fingerprint.tolist(), self.ops[first].fingerprint.tolist()
-            exact = "bitwise" if first < first_inexact else "within the atomics tolerance"
-            self._raise("values", first, forward[first],
-                        f"values of {forward[first].op} (expected {exact}): (sum, norm) per "
-                        f"output: forward {_pairs(f)}, recompute {_pairs(r)}")
+        return first, first_inexact
 
     def _raise(self, what: str, position: int, theirs: OpRecord | None, detail: str):
         mine = self.ops[position] if position < len(self.ops) else None
@@ -373,8 +394,8 @@ class Replay:
         forward_site = format_site(theirs.site) if theirs else ()
         recompute_site = format_site(site)
         raise RecomputeMismatchError(
-            f"recompute of checkpointed region {self.region.name()} replays a side effect at "
-            f"op #{position}: {func} writes its argument {name!r} (shape {list(tensor.shape)}, "
+            f"recompute of checkpointed region {self.region.name()} differs from its forward "
+            f"at op #{position} (side effect): {func} writes its argument {name!r} (shape {list(tensor.shape)}, "
             f"{str(tensor.dtype).removeprefix('torch.')}), a tensor that lives outside the "
             f"region (a module buffer, parameter or attribute), so the forward's update would "
             f"be applied a second time. Forward op at {describe_site(forward_site)}; recompute "
