@@ -136,10 +136,13 @@ REPROS = [
         "collectives, gradients silently wrong",
         run=run,
         signatures=(Signature(exception="WrongResult", message="TP=2 gradients differ"),),
+        # The recompute sanitizer names the first collective the recompute skips (the mesh
+        # sanitizer, with the mesh-recompute family, names the lost mesh itself).
         sanitized_signatures=(
-            Signature(exception="MeshLostError", message="spmd_redistribute_per_axis ran during "
-                      "backward with no current spmd mesh"),
+            Signature(exception="RecomputeMismatchError", message="differs from its forward at "
+                      "op #"),
         ),
+        sanitizers=("storage", "recompute"),
         devices=("cpu",),
         requires=("torchtitan",),
         timeout=_TIMEOUT,

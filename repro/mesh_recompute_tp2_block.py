@@ -197,9 +197,13 @@ REPROS = [
         "mesh: recompute skips its all-reduces, gradients silently wrong",
         run=run,
         signatures=(Signature(exception="WrongResult", message="TP=2 block gradients differ"),),
+        # The recompute sanitizer names the first collective the recompute skips (the mesh
+        # sanitizer, with the mesh-recompute family, names the lost mesh itself).
         sanitized_signatures=(
-            Signature(exception="MeshLostError", message="during activation-checkpoint recompute"),
+            Signature(exception="RecomputeMismatchError", message="differs from its forward at "
+                      "op #"),
         ),
+        sanitizers=("storage", "recompute"),
         devices=("cpu", "cuda"),
         timeout=_TIMEOUT,
         upstream="verl #6950, torchtitan #3565",

@@ -13,7 +13,9 @@
   by a few units in the last place of its dtype, and those differences add up in the sum.
 
 Ops whose outputs hold uninitialised memory (``empty`` and friends) get no fingerprint, only
-metadata: their values differ run to run by design.
+metadata: their values differ run to run by design. Neither do collectives (``c10d``,
+``_c10d_functional``): their outputs are in flight until a wait, so the values read at the op
+race with the communication; the next op that reads the result carries them.
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ def _valued(t: torch.Tensor) -> bool:
             and not t.is_complex())
 
 
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                          "_c10d_functional_autograd"})
+
+
 def fingerprint(func, outs: list[torch.Tensor]) -> torch.Tensor | None:
     """Sum and 2-norm of every valued output, float64, on the outputs' device (no sync)."""
-    if func.overloadpacket in _NO_VALUES:
+    if func.overloadpacket in _NO_VALUES or func.namespace in _COLLECTIVES:
         return None
     parts = []
     for t in outs:

@@ -29,6 +29,7 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize._callsite import _SKIPPED_DIRS, _SKIPPED_FILES, _short_path, describe_site
 
@@ -52,10 +53,13 @@ class RecomputeMismatchError(RuntimeError):
 
 _USER, _SKIP, _HOOK, _BOUNDARY = 0, 1, 2, 3
 _kind_of_code: dict = {}
-# The checkpoints' own saved-tensor hooks run ops (a recompute's pack hook detaches what it
-# keeps) that are not the region's forward code.
+# Machinery that runs ops inside a region which are not its forward code: the checkpoints'
+# own saved-tensor hooks (a recompute's pack hook detaches what it keeps), and fixes.recompute
+# putting a region's captured state in place (its copies differ between forward and recompute
+# by design).
 _HOOK_NAMES = ("pack_hook", "unpack_hook")
 _HOOK_FILES = (torch.utils.checkpoint.__file__,)
+_STATE_FILE = recompute_state.__file__
 
 
 def _kind(code) -> int:
@@ -64,7 +68,8 @@ def _kind(code) -> int:
         path = code.co_filename
         if code in _BOUNDARIES:
             known = _BOUNDARY
-        elif code.co_name in _HOOK_NAMES and (path in _HOOK_FILES or "torch_remat" in path):
+        elif path == _STATE_FILE or (code.co_name in _HOOK_NAMES
+                                     and (path in _HOOK_FILES or "torch_remat" in path)):
             known = _HOOK
         elif (path.startswith(_SKIPPED_DIRS) or path in _SKIPPED_FILES
               or path.startswith("<frozen")):
@@ -285,8 +290,6 @@ class Replay:
         written = _written(func)
         if not written:
             return
-        from fixes.recompute.state import managed_storages
-
         managed = None
         for index, name in written:
             t = args[index] if index < len(args) else kwargs.get(name)
@@ -296,7 +299,7 @@ class Replay:
                 key = leaf.untyped_storage()._cdata
                 if key in self.created:
                     continue
-                managed = managed_storages() if managed is None else managed
+                managed = recompute_state.managed_storages() if managed is None else managed
                 if key not in managed and (site := raw_site()) is not None:
                     self._raise_side_effect(func, name, leaf, site)
 
