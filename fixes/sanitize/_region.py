@@ -51,7 +51,7 @@ class RecomputeMismatchError(RuntimeError):
 
 # -- call sites, kept raw (code object, line) and formatted only for an error -----------------
 
-_USER, _SKIP, _HOOK, _BOUNDARY = 0, 1, 2, 3
+_USER, _SKIP, _HOOK, _BOUNDARY, _OPAQUE = 0, 1, 2, 3, 4
 _kind_of_code: dict = {}
 # Machinery that runs ops inside a region which are not its forward code: the checkpoints'
 # own saved-tensor hooks (a recompute's pack hook detaches what it keeps), and fixes.recompute
@@ -60,6 +60,10 @@ _kind_of_code: dict = {}
 _HOOK_NAMES = ("pack_hook", "unpack_hook")
 _HOOK_FILES = (torch.utils.checkpoint.__file__,)
 _STATE_FILE = recompute_state.__file__
+# torch_remat's SAVE ops: the body runs in the forward and is skipped in the recompute (its
+# outputs loaded instead); neither side is replayed code. Their outputs' values are still
+# compared through the ops that read them.
+_OPAQUE_NAMES = ("_run_save_op", "_replay_save_op")
 
 
 def _kind(code) -> int:
@@ -68,6 +72,8 @@ def _kind(code) -> int:
         path = code.co_filename
         if code in _BOUNDARIES:
             known = _BOUNDARY
+        elif code.co_name in _OPAQUE_NAMES and "torch_remat" in path:
+            known = _OPAQUE
         elif path == _STATE_FILE or (code.co_name in _HOOK_NAMES
                                      and (path in _HOOK_FILES or "torch_remat" in path)):
             known = _HOOK
@@ -80,20 +86,24 @@ def _kind(code) -> int:
     return known
 
 
-def raw_site() -> tuple | None:
+def raw_site(opaque: bool = False) -> tuple | None:
     """The op's caller, raw: up to ``_SITE_DEPTH`` (code, line) pairs outside torch and this
     package, innermost first; None for an op a checkpoint's saved-tensor hook runs (a hook
     frame before any caller's and before the region's own entry: a recompute runs inside the
-    unpack hook that triggered it)."""
+    unpack hook that triggered it). ``opaque`` (torch_remat regions): the whole stack up to
+    the region's entry is read, and an op under a SAVE op is None too."""
     frame, site, in_region = sys._getframe(2), [], False
-    while frame is not None and len(site) < _SITE_DEPTH:
+    while frame is not None and (opaque and not in_region or len(site) < _SITE_DEPTH):
         code = frame.f_code
         kind = _kind(code)
         if kind is _USER:
-            site.append((code, frame.f_lineno))
+            if len(site) < _SITE_DEPTH:
+                site.append((code, frame.f_lineno))
         elif kind is _BOUNDARY:
             in_region = True
         elif kind is _HOOK and not site and not in_region:
+            return None
+        elif kind is _OPAQUE and opaque and not in_region:
             return None
         frame = frame.f_back
     return tuple(site)
@@ -156,15 +166,15 @@ def _subclass_dispatch(types):
 _IGNORED = frozenset({torch.ops.aten.detach.default})
 
 
-def _record(func, out, values: bool) -> OpRecord | None:
+def _record(func, out, region: Region) -> OpRecord | None:
     if func in _IGNORED:
         return None
-    site = raw_site()
+    site = raw_site(region.opaque)
     if site is None:
         return None
     outs = fp.tensors(out)
     with torch._C._DisableTorchDispatch():  # no other mode sees (or caches) these kernels
-        print_ = fp.fingerprint(func, outs) if values else None
+        print_ = fp.fingerprint(func, outs) if region.values else None
     inexact = fp.is_inexact(func, outs)
     return OpRecord(func, fp.metadata(outs), site, print_, inexact,
                     fp.rtol_scale(outs) if print_ is not None else None)
@@ -183,7 +193,7 @@ class _RecordForward(TorchDispatchMode):
         if (special := _subclass_dispatch(types)) is not None:
             return special if special is NotImplemented else func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if (record := _record(func, out, self.region.values)) is not None:
+        if (record := _record(func, out, self.region)) is not None:
             self.region.ops.append(record)
         return out
 
@@ -210,8 +220,10 @@ class _CompareRecompute(TorchDispatchMode):
 class Region:
     """One call of a checkpoint: its forward's ops, and the recomputes compared with them."""
 
-    def __init__(self, kind: str, label: str, site: tuple[str, ...], values: bool, stats):
+    def __init__(self, kind: str, label: str, site: tuple[str, ...], values: bool, stats,
+                 opaque: bool = False):
         self.kind, self.label, self.site, self.values, self.stats = kind, label, site, values, stats
+        self.opaque = opaque  # a torch_remat region (see raw_site)
         self.ops: list[OpRecord] = []
         self.recorded = False
 
@@ -307,7 +319,7 @@ class Replay:
 
     def check(self, func, out) -> None:
         position = len(self.ops)
-        mine = _record(func, out, self.region.values)
+        mine = _record(func, out, self.region)
         if mine is None:
             return
         self.ops.append(mine)

@@ -12,7 +12,6 @@ the test's own process: child processes a test starts are not. A test marked
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import pytest
@@ -27,18 +26,20 @@ MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, s
 _MESH_KEY = pytest.StashKey[str | None]()  # None: mesh sanitizer on; else why it is off
 
 
-def _sanitizer_names(value: str) -> tuple[str, ...]:
+def _sanitizer_names(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
     names = tuple(n.strip() for n in value.split(",") if n.strip())
     unknown = [n for n in names if n not in SANITIZERS]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a comma-separated list of {', '.join(SANITIZERS)}")
+        raise pytest.UsageError(f"{OPTION}={value}: {value!r} is not a comma-separated list "
+                                f"of {', '.join(SANITIZERS)}")
     return names
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("stackfix").addoption(
-        OPTION, nargs="?", const=DEFAULT, default=None, type=_sanitizer_names,
+        OPTION, nargs="?", const=",".join(DEFAULT), default=None,
         metavar="storage,mesh,recompute",
         help="run each test under fixes.sanitize's sanitizers: storage (a read of memory that "
         "UntypedStorage.resize_ released raises ReleasedStorageError), mesh, where spmd_types "
@@ -52,12 +53,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config, parser, args: list[str]) -> None:
     # The value is optional, so argparse would take a test path after the bare flag for its
     # value (``pytest --stackfix-sanitize tests/``); the bare flag is spelled out before the
-    # command line is parsed for good (pytest parses this same list).
+    # command line is parsed for good (pytest parses this same list). The value is checked in
+    # pytest_configure: an early parse may still have taken the path.
     args[:] = [f"{OPTION}={','.join(DEFAULT)}" if a == OPTION else a for a in args]
 
 
 def _enabled(config: pytest.Config) -> tuple[str, ...]:
-    return config.getoption(OPTION) or ()
+    return _sanitizer_names(config.getoption(OPTION))
 
 
 def pytest_configure(config: pytest.Config) -> None:

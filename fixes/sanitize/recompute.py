@@ -59,9 +59,9 @@ class RecomputeSanitizer:
     def _on(self) -> bool:
         return _slot.holds(self)
 
-    def region(self, kind: str, fn) -> Region:
+    def region(self, kind: str, fn, opaque: bool = False) -> Region:
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self.values, self)
+        return Region(kind, label, call_site(), self.values, self, opaque)
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -69,7 +69,11 @@ class RecomputeSanitizer:
         def _checkpoint_without_reentrant_generator(fn, *rest, **kwargs):
             if not self._on() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return (yield from original(fn, *rest, **kwargs))
-            region = self.region("torch.utils.checkpoint, non-reentrant", fn)
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("torch_remat"):
+                region = self.region("torch_remat", fn, opaque=True)
+            else:
+                region = self.region("torch.utils.checkpoint, non-reentrant", fn)
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
             try:
