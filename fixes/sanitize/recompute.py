@@ -20,7 +20,9 @@ implementation, so that every region is seen whoever calls it --
   imported while the sanitizer is active).
 
 Each region's forward and recompute run under the dispatch modes of ``_region`` (the contract
-is stated there). Not seen: regions under ``torch.compile``, ops on other threads than the one
+is stated there); values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that
+accumulates with atomics on CUDA (``_fingerprint``). torch_remat's SAVE ops (run in the forward,
+loaded in the recompute) are not compared, the ops that read their outputs are. Not seen: regions under ``torch.compile``, ops on other threads than the one
 that runs the region, state that is a Python value rather than a tensor (its effect on the
 recomputed values is seen).
 """
@@ -37,10 +39,11 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
+from fixes.sanitize._fingerprint import ATOMIC_RTOL
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._region import RecomputeMismatchError, Region
 
-__all__ = ["RecomputeMismatchError", "RecomputeSanitizer", "recompute_sanitizer"]
+__all__ = ["ATOMIC_RTOL", "RecomputeMismatchError", "RecomputeSanitizer", "recompute_sanitizer"]
 
 _MEGATRON = "megatron.core.tensor_parallel.random"
 
