@@ -248,6 +248,37 @@ def test_megatron_checkpoint_function_regions_are_compared():
         assert torch.equal(a, b)
 
 
+def test_megatron_checkpoint_without_output_regions_are_compared():
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+
+    install_megatron_cpu_rng_shim()
+    state = {"scale": 1.0}
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def region(x):
+        return torch.tanh(x @ w) * state["scale"]
+
+    def step(change: bool):
+        x = torch.randn(4, 8, requires_grad=True)
+        ckpt = CheckpointWithoutOutput(fp8=None)  # 0.16.1: fp8=False reads as "fp8 on"
+        h = ckpt.checkpoint(region, x)
+        y = h.sin()  # saves h: the storage the checkpoint discards and recomputes
+        ckpt.discard_output_and_register_recompute(y)
+        state["scale"] = 2.0 if change else 1.0
+        y.sum().backward()
+
+    with recompute_sanitizer() as sanitizer:
+        step(change=False)
+    assert sanitizer.recomputes == 1 and sanitizer.ops_compared >= 3
+    with pytest.raises(RecomputeMismatchError, match=r"CheckpointWithoutOutput.*\(values\)"):
+        with recompute_sanitizer():
+            step(change=True)
+    state["scale"] = 1.0
+
+
 def test_everything_is_put_back_and_nesting_is_refused():
     import torch.utils.checkpoint as tuc
 

@@ -16,8 +16,9 @@ implementation, so that every region is seen whoever calls it --
   ``checkpoint``, torch's ``checkpoint_wrapper``, torchtitan's AC, torch_remat, which replays
   through it);
 * ``torch.utils.checkpoint.CheckpointFunction.forward`` (``use_reentrant=True``);
-* ``megatron.core.tensor_parallel.random.CheckpointFunction.forward`` (also when megatron-core is
-  imported while the sanitizer is active).
+* ``megatron.core.tensor_parallel.random.CheckpointFunction.forward`` and
+  ``CheckpointWithoutOutput.checkpoint`` (megatron's selective recompute), also when
+  megatron-core is imported while the sanitizer is active.
 
 Each region's forward and recompute run under the dispatch modes of ``_region`` (the contract
 is stated there); values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that
@@ -104,6 +105,14 @@ class RecomputeSanitizer:
 
         return staticmethod(forward)
 
+    def wrap_checkpoint_method(self, original, kind: str):
+        def checkpoint(obj, run_function, *args):
+            if self._on() and not torch.compiler.is_compiling():
+                run_function = self.region(kind, run_function).function(run_function)
+            return original(obj, run_function, *args)
+
+        return checkpoint
+
 
 class _Patch:
     """``owner.name = wrapper`` for the sanitizer's duration; restored only if still ours."""
@@ -140,6 +149,11 @@ def recompute_sanitizer(values: bool = True) -> Iterator[RecomputeSanitizer]:
         patches.append(_Patch(cls, "forward", lambda f: sanitizer.wrap_function_forward(
             f, "megatron-core tensor_parallel CheckpointFunction")))
         sanitizer.wrapped.append(f"{_MEGATRON}.CheckpointFunction.forward")
+        if hasattr(module, "CheckpointWithoutOutput"):  # selective recompute (recompute_modules)
+            patches.append(_Patch(module.CheckpointWithoutOutput, "checkpoint",
+                                  lambda f: sanitizer.wrap_checkpoint_method(
+                                      f, "megatron-core CheckpointWithoutOutput")))
+            sanitizer.wrapped.append(f"{_MEGATRON}.CheckpointWithoutOutput.checkpoint")
 
     try:
         patches.append(_Patch(torch_checkpoint, "_checkpoint_without_reentrant_generator",
