@@ -29,6 +29,8 @@ from benchmarks import _ac
 from benchmarks._bench import DEVICE_PARAMS, record, timed
 from repro import run_isolated
 
+# These benchmarks enter the sanitizers themselves (they refuse to be nested).
+pytestmark = pytest.mark.no_stackfix_sanitize
 SCENARIO = "sanitizers/plain-transformer-full-ac"
 STRATEGIES = ("none", "storage", "mesh", "storage+mesh", "storage-slow-path", "recompute",
               "recompute-metadata", "storage+mesh+recompute")
