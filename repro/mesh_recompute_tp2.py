@@ -18,6 +18,9 @@ without AC (reference), both ranks:
   measured difference.
 - fixed: ``TorchtitanEngine.forward_backward_batch`` -> the reference gradients, exactly.
 
+Under ``python -m repro --sanitize`` (storage and recompute sanitizers) the unfixed path raises
+``RecomputeMismatchError`` at the first redistribution the recompute skips.
+
 Run one side by hand: ``python -m repro.mesh_recompute_tp2 --fixed`` (or ``--unfixed``).
 """
 
