@@ -1,7 +1,10 @@
 """The price of ``fixes.sanitize``: step time (forward + backward, full AC with the
 mesh-preserving context_fn, inside the spmd mesh) of the plain transformer without a sanitizer,
-under each one, and under both; and under ``storage_sanitizer()`` once a released storage is
-alive (every op then has its tensor arguments checked: the slow path).
+under each one, and under all; under ``storage_sanitizer()`` once a released storage is
+alive (every op then has its tensor arguments checked: the slow path); and under
+``recompute_sanitizer()`` in full (op, metadata and value fingerprints) and metadata-only
+(``values=False``). The recompute sanitizer also runs on real megatron-core models (MoE GPT,
+GPT+MTP; ``benchmarks._sanitize_megatron``, one child each): no false positive, and its cost.
 
 The strategies run interleaved round by round (clock and load drift hit all alike). Figures:
 medians (``step_time_s``, ``sanitizer_step_time_ratio`` = strategy / no sanitizer; above 1 means
@@ -14,6 +17,8 @@ the benchmark asserts what must hold whatever the timing: the sanitizers change 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import statistics
 import time
 
@@ -22,21 +27,27 @@ import torch
 
 from benchmarks import _ac
 from benchmarks._bench import DEVICE_PARAMS, record, timed
+from repro import run_isolated
 
+# These benchmarks enter the sanitizers themselves (they refuse to be nested).
+pytestmark = pytest.mark.no_stackfix_sanitize
 SCENARIO = "sanitizers/plain-transformer-full-ac"
-STRATEGIES = ("none", "storage", "mesh", "storage+mesh", "storage-slow-path")
+STRATEGIES = ("none", "storage", "mesh", "storage+mesh", "storage-slow-path", "recompute",
+              "recompute-metadata", "storage+mesh+recompute")
 ROUNDS = {"cpu": 15, "cuda": 20}
 
 
 @contextlib.contextmanager
 def _sanitized(strategy: str):
-    from fixes.sanitize import mesh_sanitizer, storage_sanitizer
+    from fixes.sanitize import mesh_sanitizer, recompute_sanitizer, storage_sanitizer
 
     with contextlib.ExitStack() as stack:
         if "storage" in strategy:
             stack.enter_context(storage_sanitizer())
         if "mesh" in strategy:
             stack.enter_context(mesh_sanitizer())
+        if "recompute" in strategy:
+            stack.enter_context(recompute_sanitizer(values=strategy != "recompute-metadata"))
         if strategy == "storage-slow-path":
             # A released storage kept alive by a tensor: the check runs on every op.
             released = torch.empty(16)
@@ -111,3 +122,47 @@ def test_sanitizers_change_no_gradient(device):
         assert noise == 0.0
     for strategy in STRATEGIES[1:]:
         assert distance(grads(strategy), reference) <= noise * 4 + 1e-12, strategy
+
+
+# Real megatron-core models under recompute_sanitizer(): (model, size, dtype, steps) per device.
+# CPU: small and single-threaded (on a shared 2-core machine two intra-op threads per process
+# turned every extra kernel into a thread wake-up and the ratio into a measure of the load).
+MEGATRON_CELLS = {
+    "cpu": [("moe", "128x128", "fp32", 3), ("gpt-mtp", "128x128", "fp32", 3)],
+    "cuda": [(m, "1024x2048", d, 10) for m in ("moe", "gpt-mtp") for d in ("fp32", "bf16")],
+}
+MEGATRON_PARAMS = [
+    pytest.param(device, *cell, marks=mark, id=f"{cell[0]}-{cell[1]}-{cell[2]}-{device}")
+    for device, mark in (("cpu", pytest.mark.cpu), ("cuda", pytest.mark.gpu))
+    for cell in MEGATRON_CELLS[device]
+]
+_NO_MEGATRON = importlib.util.find_spec("megatron") is None
+
+
+@pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
+@pytest.mark.parametrize("device,model,size,dtype,steps", MEGATRON_PARAMS)
+def test_recompute_sanitizer_on_megatron(benchmark, device, model, size, dtype, steps):
+    """No false positive on a real MoE GPT / GPT+MTP with full recompute (gradients equal to an
+    unsanitized step's, bitwise on CPU), and the step-time ratios of both modes."""
+    args = ["--model", model, "--device", device, "--size", size, "--dtype", dtype,
+            "--steps", str(steps)]
+    found: dict = {}
+
+    def run_child():
+        r = run_isolated(module="benchmarks._sanitize_megatron", args=args, timeout=900,
+                         env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("SANITIZE-MEGATRON ")]
+        assert r.returncode == 0 and lines, r.stderr[-4000:]
+        found.update(json.loads(lines[-1].split(" ", 1)[1]))
+
+    benchmark.pedantic(run_child, rounds=1, iterations=1)
+    assert found["regions"] >= 4 and found["recomputes"] == found["regions"]
+    assert found["ops_compared"] > 100
+    if device == "cpu":
+        assert found["grad_noise"] == 0.0 and found["grad_distance"] == 0.0
+    else:
+        assert found["grad_distance"] <= found["grad_noise"] * 4 + 1e-12
+    figures = {k: v for k, v in found.items() if k.endswith(("_step_s", "_step_time_ratio"))}
+    figures.update(ops_compared=found["ops_compared"], regions=found["regions"])
+    record(benchmark, scenario=f"recompute-sanitizer/megatron-{model}-{size}-{dtype}",
+           strategy="recompute", device=device, figures=figures)

@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="exit 3 when any repro with a variant for this device was skipped")
     parser.add_argument("--sanitize", action="store_true",
-                        help="run every path (and the ranks it starts) under fixes.sanitize's "
-                        "storage and mesh sanitizers; unfixed paths must then fail with the "
-                        "named error the repro declares (e.g. ReleasedStorageError)")
+                        help="run every path (and the ranks it starts) under the fixes.sanitize "
+                        "sanitizers the repro declares (storage and mesh unless it names "
+                        "others, e.g. recompute); unfixed paths must then fail with the named "
+                        "error the repro declares (e.g. ReleasedStorageError)")
     args = parser.parse_args(argv)
 
     if args.device not in DEVICES:
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     width = min(TABLE_WIDTH, shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
     if args.sanitize:
-        print("under fixes.sanitize (storage_sanitizer + mesh_sanitizer)\n")
+        print("under fixes.sanitize (each repro's sanitizers; storage + mesh unless it names "
+              "others)\n")
     print(table(outcomes, max(width, 80)))
     print("\n" + summary(outcomes))
     if args.json:

@@ -18,6 +18,9 @@ without AC (reference), both ranks:
   measured difference.
 - fixed: ``TorchtitanEngine.forward_backward_batch`` -> the reference gradients, exactly.
 
+Under ``python -m repro --sanitize`` (storage and recompute sanitizers) the unfixed path raises
+``RecomputeMismatchError`` at the first redistribution the recompute skips.
+
 Run one side by hand: ``python -m repro.mesh_recompute_tp2 --fixed`` (or ``--unfixed``).
 """
 
@@ -136,10 +139,13 @@ REPROS = [
         "collectives, gradients silently wrong",
         run=run,
         signatures=(Signature(exception="WrongResult", message="TP=2 gradients differ"),),
+        # The recompute sanitizer names the first collective the recompute skips (the mesh
+        # sanitizer, with the mesh-recompute family, names the lost mesh itself).
         sanitized_signatures=(
-            Signature(exception="MeshLostError", message="spmd_redistribute_per_axis ran during "
-                      "backward with no current spmd mesh"),
+            Signature(exception="RecomputeMismatchError", message="differs from its forward at "
+                      "op #"),
         ),
+        sanitizers=("storage", "recompute"),
         devices=("cpu",),
         requires=("torchtitan",),
         timeout=_TIMEOUT,

@@ -20,7 +20,9 @@ gradient shard is compared with the same model without AC, run inside the mesh:
 
 - unfixed: plain non-reentrant checkpoint -> the recompute skips both all-reduces ->
   ``WrongResult`` with the difference and the count of skipped redistributions;
-- under ``python -m repro --sanitize``: ``MeshLostError`` at the recompute's first mesh lookup;
+- under ``python -m repro --sanitize`` (storage and recompute sanitizers):
+  ``RecomputeMismatchError`` at the first redistribution the recompute skips (the mesh
+  sanitizer would name the lost mesh at the lookup before it: ``MeshLostError``);
 - fixed: ``context_fn=fixes.torchtitan.mesh_preserving_context_fn`` -> the reference, exactly,
   with every redistribution of the recompute run (3 of the 4: recompute stops after the last
   saved activation).
@@ -197,9 +199,13 @@ REPROS = [
         "mesh: recompute skips its all-reduces, gradients silently wrong",
         run=run,
         signatures=(Signature(exception="WrongResult", message="TP=2 block gradients differ"),),
+        # The recompute sanitizer names the first collective the recompute skips (the mesh
+        # sanitizer, with the mesh-recompute family, names the lost mesh itself).
         sanitized_signatures=(
-            Signature(exception="MeshLostError", message="during activation-checkpoint recompute"),
+            Signature(exception="RecomputeMismatchError", message="differs from its forward at "
+                      "op #"),
         ),
+        sanitizers=("storage", "recompute"),
         devices=("cpu", "cuda"),
         timeout=_TIMEOUT,
         upstream="verl #6950, torchtitan #3565",

@@ -17,6 +17,8 @@ import signal as _signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from repro.harness.sanitize import NAMES as SANITIZER_NAMES
+
 DEVICES = ("cpu", "cuda")
 EXCEPTION_MARKER = "REPRO-EXCEPTION "
 SKIP_MARKER = "REPRO-SKIPPED "
@@ -136,6 +138,8 @@ class Repro:
     # How the unfixed path fails under ``python -m repro --sanitize`` (fixes.sanitize names the
     # fault first, e.g. ReleasedStorageError instead of SIGSEGV). Empty: as without it.
     sanitized_signatures: tuple[Signature, ...] = ()
+    # The fixes.sanitize sanitizers both paths run under then (repro.harness.sanitize.NAMES).
+    sanitizers: tuple[str, ...] = ("storage", "mesh")
     # The fork server profile its children are forked from (repro.harness.forkserver.PRELOADS:
     # what is imported before the child starts); None: a fresh interpreter, for a child that
     # imports a package the server preloads from elsewhere.
@@ -148,6 +152,9 @@ class Repro:
             raise ValueError(f"repro {self.name!r}: unknown devices {sorted(bad)}; allowed: {DEVICES}")
         if not self.signatures:
             raise ValueError(f"repro {self.name!r} declares no failure signature")
+        if not self.sanitizers or set(self.sanitizers) - set(SANITIZER_NAMES):
+            raise ValueError(f"repro {self.name!r}: sanitizers must be a non-empty subset of "
+                             f"{SANITIZER_NAMES}; got {self.sanitizers}")
 
     def missing_requirements(self) -> list[str]:
         return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]

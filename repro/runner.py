@@ -49,7 +49,7 @@ class ReproOutcome:
 
 def run_path(repro: Repro, fixed: bool, device: str, sanitized: bool = False) -> IsolatedResult:
     """The raw child result of one path (tests assert on it directly); ``sanitized`` runs it
-    (and the ranks it starts) under fixes.sanitize's sanitizers. The child is forked from the
+    (and the ranks it starts) under the fixes.sanitize sanitizers the repro declares. The child is forked from the
     fork server profile the repro names (torch preloaded), or spawned where it names none."""
     mode = "--fixed" if fixed else "--unfixed"
     declared = DECLARED_IN.get(repro.name)
@@ -57,7 +57,7 @@ def run_path(repro: Repro, fixed: bool, device: str, sanitized: bool = False) ->
     return run_isolated(
         module="repro.child", args=[repro.name, mode, "--device", device, *where],
         timeout=repro.timeout,
-        env={SANITIZE_ENV: "1" if sanitized else "0"},
+        env={SANITIZE_ENV: ",".join(repro.sanitizers) if sanitized else "0"},
         forkserver=repro.forkserver or False,
     )
 

@@ -3,13 +3,17 @@ the unfixed path fails with its declared signature, the fixed path completes (an
 oracle checks the result, e.g. gradients equal to the reference). Repros that declare
 ``sanitized_signatures`` also run under fixes.sanitize (``python -m repro --sanitize``): the
 unfixed path must fail with that named error, the fixed path must still pass (no false
-positive)."""
+positive). And every fixed path passes under all the sanitizers at once (no false positive of
+any of them on any repro)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from repro import discover
+from repro.harness.sanitize import NAMES as SANITIZERS
 from repro.runner import judge_fixed, judge_unfixed, run_path
 
 REPROS = discover()
@@ -22,12 +26,15 @@ CASES = [
 SANITIZED = [case for case in CASES if case.values[0].sanitized_signatures]
 
 
-def _check_path(repro, device, fixed: bool, sanitized: bool = False) -> None:
+def _check_path(repro, device, fixed: bool, sanitized: bool = False,
+                sanitizers: tuple[str, ...] | None = None) -> None:
     """Run one path in a child and assert its contract: the unfixed path reproduces one of its
     (sanitized) signatures, the fixed path passes. Skips with the reason when it cannot run."""
     missing = repro.missing_requirements()
     if missing:
         pytest.skip(f"{repro.name} needs {', '.join(missing)} (not installed)")
+    if sanitizers is not None:
+        repro = dataclasses.replace(repro, sanitizers=sanitizers)
     result = run_path(repro, fixed=fixed, device=device, sanitized=sanitized)
     if fixed:
         outcome, expected = judge_fixed(result), "passed"
@@ -56,3 +63,8 @@ def test_unfixed_path_under_the_sanitizers_names_the_fault(repro, device):
 @pytest.mark.parametrize("repro,device", SANITIZED)
 def test_fixed_path_passes_under_the_sanitizers(repro, device):
     _check_path(repro, device, fixed=True, sanitized=True)
+
+
+@pytest.mark.parametrize("repro,device", CASES)
+def test_fixed_path_passes_under_every_sanitizer(repro, device):
+    _check_path(repro, device, fixed=True, sanitized=True, sanitizers=SANITIZERS)

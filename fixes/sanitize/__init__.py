@@ -3,6 +3,11 @@ suite (``pytest --stackfix-sanitize``). Nothing optional is imported here: spmd_
 torchtitan, where installed) are looked up when ``mesh_sanitizer()`` is entered."""
 
 from fixes.sanitize.mesh import MeshLostError, MeshSanitizer, mesh_sanitizer
+from fixes.sanitize.recompute import (
+    RecomputeMismatchError,
+    RecomputeSanitizer,
+    recompute_sanitizer,
+)
 from fixes.sanitize.storage import (
     ReleasedStorageError,
     StorageRelease,
@@ -13,9 +18,12 @@ from fixes.sanitize.storage import (
 __all__ = [
     "MeshLostError",
     "MeshSanitizer",
+    "RecomputeMismatchError",
+    "RecomputeSanitizer",
     "ReleasedStorageError",
     "StorageRelease",
     "StorageSanitizer",
     "mesh_sanitizer",
+    "recompute_sanitizer",
     "storage_sanitizer",
 ]

@@ -1,5 +1,7 @@
 """pytest plugin: ``pytest --stackfix-sanitize`` runs every test under ``storage_sanitizer()``
 and, where spmd_types imports, ``mesh_sanitizer()``. Off unless the flag is given.
+``--stackfix-sanitize=storage,mesh,recompute`` names the sanitizers (any of ``SANITIZERS``;
+``recompute`` is ``recompute_sanitizer()``); the bare flag is ``storage,mesh``.
 
 Registered through the ``pytest11`` entry point of the stackfix distribution (so any suite in an
 environment with stackfix installed has the flag); without installing, load it with
@@ -15,6 +17,8 @@ import contextlib
 import pytest
 
 OPTION = "--stackfix-sanitize"
+SANITIZERS = ("storage", "mesh", "recompute")
+DEFAULT = ("storage", "mesh")
 # For tests that enter the sanitizers themselves (they refuse to be nested): left unwrapped.
 MARKER = "no_stackfix_sanitize"
 MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, so "
@@ -22,18 +26,45 @@ MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, s
 _MESH_KEY = pytest.StashKey[str | None]()  # None: mesh sanitizer on; else why it is off
 
 
+def _sanitizer_names(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown or not names:
+        raise pytest.UsageError(f"{OPTION}={value}: {value!r} is not a comma-separated list "
+                                f"of {', '.join(SANITIZERS)}")
+    return names
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("stackfix").addoption(
-        OPTION, action="store_true", default=False,
-        help="run each test under fixes.sanitize's storage_sanitizer() (a read of memory that "
-        "UntypedStorage.resize_ released raises ReleasedStorageError) and, where spmd_types "
-        "imports, mesh_sanitizer() (no spmd mesh in checkpoint recompute raises MeshLostError)",
+        OPTION, nargs="?", const=",".join(DEFAULT), default=None,
+        metavar="storage,mesh,recompute",
+        help="run each test under fixes.sanitize's sanitizers: storage (a read of memory that "
+        "UntypedStorage.resize_ released raises ReleasedStorageError), mesh, where spmd_types "
+        "imports (no spmd mesh in checkpoint recompute raises MeshLostError), recompute (a "
+        "checkpoint recompute that differs from its forward raises RecomputeMismatchError). "
+        "Without a value: storage,mesh",
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args: list[str]) -> None:
+    # The value is optional, so argparse would take a test path after the bare flag for its
+    # value (``pytest --stackfix-sanitize tests/``); the bare flag is spelled out before the
+    # command line is parsed for good (pytest parses this same list). The value is checked in
+    # pytest_configure: an early parse may still have taken the path.
+    args[:] = [f"{OPTION}={','.join(DEFAULT)}" if a == OPTION else a for a in args]
+
+
+def _enabled(config: pytest.Config) -> tuple[str, ...]:
+    return _sanitizer_names(config.getoption(OPTION))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
-    if not config.getoption(OPTION):
+    if "mesh" not in _enabled(config):
         return
     try:
         import spmd_types  # noqa: F401
@@ -44,11 +75,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if not config.getoption(OPTION):
+    names = _enabled(config)
+    if not names:
         return None
-    why_not = config.stash[_MESH_KEY]
-    mesh = "mesh_sanitizer" if why_not is None else f"mesh_sanitizer off ({why_not})"
-    return f"stackfix sanitizers: storage_sanitizer, {mesh}"
+    parts = []
+    for name in SANITIZERS:
+        if name not in names:
+            continue
+        why_not = config.stash[_MESH_KEY] if name == "mesh" else None
+        parts.append(f"{name}_sanitizer" + (f" off ({why_not})" if why_not else ""))
+    return f"stackfix sanitizers: {', '.join(parts)}"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,12 +92,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # Around the whole protocol, not just the call: the failure report is written in here too,
     # and a repr of a released tensor in it (pytest shows frame arguments) must raise, not
     # read freed memory.
-    if not item.config.getoption(OPTION) or item.get_closest_marker(MARKER):
+    names = _enabled(item.config)
+    if not names or item.get_closest_marker(MARKER):
         return (yield)
-    from fixes.sanitize import mesh_sanitizer, storage_sanitizer
+    import fixes.sanitize as sanitize
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(storage_sanitizer())
-        if item.config.stash[_MESH_KEY] is None:
-            stack.enter_context(mesh_sanitizer())
+        for name in SANITIZERS:
+            if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
+                stack.enter_context(getattr(sanitize, f"{name}_sanitizer")())
         return (yield)

@@ -1,0 +1,101 @@
+"""``recompute_sanitizer()`` on real megatron-core models (``benchmarks.megatron_scale``'s MoE
+GPT and GPT+MTP, full recompute, world size 1): no false positive, and its step-time cost.
+
+One child interpreter per (model, device): build, a warm-up step, one step without and one
+under the sanitizer whose gradients must be equal (bitwise on CPU; on CUDA within what two
+unsanitized steps differ by), then ``steps`` timed steps of each, interleaved (none, full,
+metadata-only, ...). Prints ``SANITIZE-MEGATRON {json}``: regions and ops compared, the
+gradient distances, medians and the median of step-by-step ratios per mode.
+
+    python -m benchmarks._sanitize_megatron --model moe --device cpu --size 128x128 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+MODES = ("none", "recompute", "recompute-metadata")
+
+
+def _mode(name: str):
+    from fixes.sanitize import recompute_sanitizer
+
+    if name == "none":
+        return contextlib.nullcontext()
+    return recompute_sanitizer(values=name == "recompute")
+
+
+def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int) -> dict:
+    import torch
+
+    from benchmarks.megatron_scale import _build
+    from repro.shared_view_reclaim import setup_megatron
+
+    setup_megatron(device)
+    if device == "cpu":
+        from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+
+        install_megatron_cpu_moe_shim()
+    gpt = _build(model, "allgather", hidden, seq, dtype, device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (1, seq), generator=g).to(device)
+    labels = torch.randint(0, 32000, (1, seq), generator=g).to(device)
+    pos = torch.arange(seq, device=device).unsqueeze(0)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril().logical_not()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step():
+        gpt.zero_grad(set_to_none=True)
+        gpt(ids, pos, mask, labels=labels).float().sum().backward()
+        sync()
+        return [p.grad.detach().clone() for p in gpt.parameters() if p.grad is not None]
+
+    def distance(a, b):
+        return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+
+    step()  # warm-up
+    reference = step()
+    noise = distance(step(), reference)
+    with _mode("recompute") as sanitizer:
+        sanitized = step()
+    result = {"model": model, "device": device, "hidden": hidden, "seq": seq, "dtype": dtype,
+              "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
+              "ops_compared": sanitizer.ops_compared, "grad_noise": noise,
+              "grad_distance": distance(sanitized, reference)}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for i in range(steps):
+        for name in MODES if i % 2 == 0 else MODES[::-1]:
+            with _mode(name):
+                t = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t)
+    for name in MODES:
+        result[f"{name}_step_s"] = statistics.median(times[name])
+        result[f"{name}_step_time_ratio"] = statistics.median(
+            a / b for a, b in zip(times[name], times["none"], strict=True))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks._sanitize_megatron")
+    p.add_argument("--model", choices=("moe", "gpt-mtp"), required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--size", default="128x128", help="HIDDENxSEQ")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    hidden, seq = (int(v) for v in args.size.split("x"))
+    result = measure(args.model, args.device, hidden, seq, args.dtype, args.steps)
+    print("SANITIZE-MEGATRON " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

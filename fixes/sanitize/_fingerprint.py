@@ -1,0 +1,112 @@
+"""What ``recompute_sanitizer()`` compares of one op's outputs, and how exactly.
+
+* ``metadata(outputs)``: ``(shape, dtype, device)`` of every tensor output, on the host.
+* ``fingerprint(outputs)``: one float64 tensor on the outputs' device, two entries per tensor
+  output (sum and 2-norm of its values, accumulated in float64), or None. Computed by kernels
+  queued on the device: no host synchronisation. The sum sees a sign or a shift, the norm a
+  change that sums to zero; a pure permutation of values is not seen.
+* tolerance: 0 (bitwise) unless the op class is not deterministic on its device: ops that
+  accumulate with atomics on CUDA (``index_add``, ``scatter_add``, accumulating ``index_put``,
+  ...) when ``torch.are_deterministic_algorithms_enabled()`` is off. From the first such op of
+  a region on, every later fingerprint of that region is compared with a tolerance that allows
+  the outputs to differ by ``||dx|| <= ATOMIC_RTOL[dtype] * ||x||`` (a few units in the last
+  place per element, from additions taken in another order): ``|d norm| <= rtol * norm`` and
+  ``|d sum| <= rtol * sqrt(numel) * norm``.
+
+Ops whose outputs hold uninitialised memory (``empty`` and friends) get no fingerprint, only
+metadata: their values differ run to run by design. Neither do collectives (``c10d``,
+``_c10d_functional``): their outputs are in flight until a wait, so the values read at the op
+race with the communication; the next op that reads the result carries them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils import _pytree as pytree
+
+# Uninitialised outputs: metadata only.
+_NO_VALUES = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                 "empty_permuted", "resize_", "set_")
+    if hasattr(torch.ops.aten, name)
+)
+
+# Ops that accumulate with atomicAdd on CUDA (their outputs vary in the last bits run to run,
+# as torch.use_deterministic_algorithms documents); exact elsewhere.
+_ATOMIC_ON_CUDA = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+                 "scatter_reduce_", "index_put", "index_put_", "_index_put_impl_",
+                 "_unsafe_index_put", "index_reduce", "index_reduce_", "bincount", "histc",
+                 "put_", "put", "embedding_dense_backward", "_segment_reduce")
+    if hasattr(torch.ops.aten, name)
+)
+
+# Per dtype: how far (relative, in the 2-norm) outputs may move after atomics reorder their
+# additions: a few units in the last place. Provisional until measured on a GPU
+# (tests/test_sanitize_recompute_gpu.py prints the spread); CPU regions never use it.
+ATOMIC_RTOL = {
+    torch.float64: 16 * torch.finfo(torch.float64).eps,
+    torch.float32: 16 * torch.finfo(torch.float32).eps,
+    torch.bfloat16: 4 * torch.finfo(torch.bfloat16).eps,
+    torch.float16: 4 * torch.finfo(torch.float16).eps,
+}
+_DEFAULT_RTOL = 16 * torch.finfo(torch.float32).eps
+
+
+def tensors(outputs) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+
+
+def metadata(outs: list[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in outs)
+
+
+def _valued(t: torch.Tensor) -> bool:
+    return (t.layout is torch.strided and not t.is_meta and t.numel() > 0
+            and not t.is_complex())
+
+
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                          "_c10d_functional_autograd"})
+
+
+def fingerprint(func, outs: list[torch.Tensor]) -> torch.Tensor | None:
+    """Sum and 2-norm of every valued output, float64, on the outputs' device (no sync)."""
+    if func.overloadpacket in _NO_VALUES or func.namespace in _COLLECTIVES:
+        return None
+    parts = []
+    for t in outs:
+        if not _valued(t):
+            continue
+        x = t.detach()
+        if not x.is_floating_point():
+            x = x.to(torch.float64)
+        parts.append(torch.sum(x, dtype=torch.float64).reshape(1))
+        parts.append(torch.linalg.vector_norm(x, dtype=torch.float64).reshape(1))
+    if not parts:
+        return None
+    if len({p.device for p in parts}) > 1:  # outputs on several devices: compare on the host
+        parts = [p.cpu() for p in parts]
+    return torch.cat(parts)
+
+
+def is_inexact(func, outs: list[torch.Tensor]) -> bool:
+    """True if this op's values may differ between two identical runs on this device."""
+    if func.overloadpacket not in _ATOMIC_ON_CUDA or torch.are_deterministic_algorithms_enabled():
+        return False
+    return any(t.device.type == "cuda" for t in outs)
+
+
+def rtol_scale(outs: list[torch.Tensor]) -> list[float]:
+    """Per fingerprint entry (sum, norm of each valued output): the multiplier of the forward's
+    norm that an inexact comparison allows."""
+    scale = []
+    for t in outs:
+        if _valued(t):
+            rtol = ATOMIC_RTOL.get(t.dtype, _DEFAULT_RTOL)
+            scale += [rtol * math.sqrt(t.numel()), rtol]
+    return scale

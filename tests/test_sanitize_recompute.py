@@ -1,0 +1,298 @@
+"""``fixes.sanitize.recompute_sanitizer``: a checkpointed region whose recompute differs from its
+forward raises RecomputeMismatchError naming the op, its position, what differs and both call
+sites; a region that replays its forward passes with the same gradients as unsanitized, on every
+checkpoint kind. The error cases run in child processes (one scenario each); the clean ones
+in-process, asserting what was compared (regions, recomputes, ops)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+from repro import run_isolated
+
+pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
+
+# -- error cases, each in a child ----------------------------------------------------------------
+
+PRELUDE = '''
+import json, torch
+from torch.utils.checkpoint import checkpoint
+from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+torch.manual_seed(0)
+lin = torch.nn.Linear(8, 8)
+state = {"scale": 1.0, "wide": False}
+def report(run):
+    try:
+        with recompute_sanitizer():
+            run()
+    except RecomputeMismatchError as e:
+        print("MISMATCH " + json.dumps({"what": e.what, "position": e.position, "op": e.op,
+              "forward_site": e.forward_site, "recompute_site": e.recompute_site,
+              "message": str(e)}))
+    else:
+        print("NO-MISMATCH")
+'''
+
+SCENARIOS = {
+    # state read by the region changed between forward and backward -> the same op, other values
+    "values-reentrant": '''
+def f(x):
+    return torch.relu(lin(x)) * state["scale"]  # LINE-OP
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum()
+    state["scale"] = 2.0
+    y.backward()
+''',
+    "values-non-reentrant": '''
+def f(x):
+    h = torch.relu(lin(x)) * state["scale"]  # LINE-OP
+    return h.sin()
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+    state["scale"] = 2.0
+    y.backward()
+''',
+    # a branch on state: the recompute runs another op
+    "op": '''
+def f(x):
+    h = lin(x)
+    h = h.cos() if state["wide"] else h.sin()  # LINE-OP
+    return h * h
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+    state["wide"] = True
+    y.backward()
+''',
+    "metadata": '''
+def f(x):
+    n = 6 if state["wide"] else 4
+    h = lin(x)[:, :n].contiguous()  # LINE-OP
+    return h.sin()
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+    state["wide"] = True
+    y.backward()
+''',
+    # a buffer updated inside the region is updated again by the recompute
+    "side-effect": '''
+calls = torch.zeros(())
+def f(x):
+    calls.add_(1)  # LINE-OP
+    return lin(x).sin()
+def run():
+    checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+''',
+    # dropout in a region whose RNG state is not restored
+    "rng": '''
+def f(x):
+    return torch.nn.functional.dropout(lin(x), 0.5).sin()  # LINE-OP
+def run():
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(f, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
+''',
+    # a reentrant recompute that ends before the forward's last op
+    "length": '''
+def f(x):
+    h = lin(x)
+    if not state["wide"]:
+        h = h.sin()  # LINE-OP
+    return h
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum()
+    state["wide"] = True
+    y.backward()
+''',
+}
+
+
+def _mismatch(name: str) -> dict:
+    code = PRELUDE + textwrap.dedent(SCENARIOS[name]) + "\nreport(run)\n"
+    r = run_isolated(code=code, timeout=120, forkserver=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("MISMATCH", "NO-MISMATCH"))]
+    assert lines and lines[-1].startswith("MISMATCH "), r.stdout + r.stderr[-2000:]
+    found = json.loads(lines[-1][len("MISMATCH "):])
+    op_line = code.splitlines().index(next(ln for ln in code.splitlines() if "LINE-OP" in ln)) + 1
+    found["op_line"] = f"<string>:{op_line} in "
+    return found
+
+
+@pytest.mark.parametrize("name,what,op", [
+    ("values-reentrant", "values", "aten.mul.Tensor"),
+    ("values-non-reentrant", "values", "aten.mul.Tensor"),
+    ("op", "op", "aten.cos.default"),
+    ("metadata", "metadata", "aten.slice.Tensor"),
+    ("side-effect", "side effect", "aten.add_.Tensor"),
+    ("rng", "values", "aten.bernoulli_.float"),
+    ("length", "length", "aten.sin.default"),
+])
+def test_first_difference_is_named(name, what, op):
+    found = _mismatch(name)
+    assert (found["what"], found["op"]) == (what, op), found
+    assert found["message"].startswith("recompute of checkpointed region f ("), found
+    if what == "length":
+        assert "the recompute ran 2 ops, its forward 3" in found["message"]
+        return
+    # Both call sites name the line of the differing op, in the forward and the recompute.
+    assert found["forward_site"][0].startswith(found["op_line"]), found
+    if what != "op":
+        assert found["recompute_site"][0].startswith(found["op_line"]), found
+    assert f"at op #{found['position']} ({what})" in found["message"]
+
+
+# -- clean regions: compared, passing, gradients unchanged ---------------------------------------
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                               torch.nn.LayerNorm(8), torch.nn.Dropout(0.1))
+
+
+def _grads(model, step) -> list[torch.Tensor]:
+    model.zero_grad()
+    torch.manual_seed(1)
+    x = torch.randn(4, 8, requires_grad=True)
+    step(model, x).pow(2).sum().backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _sac_context():
+    def policy(ctx, func, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        save = func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+STEPS = {
+    "non-reentrant": lambda m, x: checkpoint(m, x, use_reentrant=False),
+    "reentrant": lambda m, x: checkpoint(m, x, use_reentrant=True),
+    "selective": lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=_sac_context),
+    "nested": lambda m, x: checkpoint(
+        lambda t: checkpoint(m[:2], t, use_reentrant=False).sin() + m[2:](t[:, :16].new_zeros(
+            t.shape[0], 16) + 1).sum(), x, use_reentrant=False),
+}
+
+
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_clean_regions_pass_with_unchanged_gradients(kind):
+    step = STEPS[kind]
+    reference = _grads(_model(), step)
+    with recompute_sanitizer() as sanitizer:
+        got = _grads(_model(), step)
+    assert sanitizer.regions >= 1 and sanitizer.recomputes >= 1 and sanitizer.ops_compared > 3
+    for a, b in zip(reference, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_non_reentrant_recompute_stops_after_the_last_saved_tensor():
+    """Early stop: the recompute runs a prefix of the forward (here: without the final sin,
+    whose input is the last saved tensor) and passes."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        return (x @ w).sin() * 3.0
+
+    with recompute_sanitizer() as sanitizer:
+        checkpoint(f, torch.randn(4, 8), use_reentrant=False).sum().backward()
+    assert sanitizer.recomputes == 1
+    assert 0 < sanitizer.ops_compared < 3
+
+
+def test_values_false_compares_ops_but_not_values():
+    state = {"scale": 1.0}
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        return (x @ w * state["scale"]).sin()
+
+    with recompute_sanitizer(values=False) as sanitizer:
+        y = checkpoint(f, torch.randn(4, 8), use_reentrant=False).sum()
+        state["scale"] = 2.0
+        y.backward()  # other values, same ops: not seen in this mode
+    assert sanitizer.ops_compared >= 2
+
+
+def test_torch_remat_regions_are_compared():
+    torch_remat = pytest.importorskip("torch_remat")
+    model = _model()[:4]
+    remat = torch_remat.checkpoint(region_name="block", preserve_rng_state=False)(model)
+    with recompute_sanitizer() as sanitizer:
+        remat(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert sanitizer.regions == 1 and sanitizer.recomputes == 1 and sanitizer.ops_compared > 3
+
+
+def test_megatron_checkpoint_function_regions_are_compared():
+    pytest.importorskip("megatron.core")
+    from megatron.core import tensor_parallel
+
+    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+
+    install_megatron_cpu_rng_shim()
+    model = _model()[:4]
+    reference = _grads(model, lambda m, x: tensor_parallel.checkpoint(m, False, x))
+    with recompute_sanitizer() as sanitizer:
+        got = _grads(model, lambda m, x: tensor_parallel.checkpoint(m, False, x))
+    assert "megatron.core.tensor_parallel.random.CheckpointFunction.forward" in sanitizer.wrapped
+    assert sanitizer.regions == 1 and sanitizer.recomputes == 1 and sanitizer.ops_compared > 3
+    for a, b in zip(reference, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_megatron_checkpoint_without_output_regions_are_compared():
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+
+    install_megatron_cpu_rng_shim()
+    state = {"scale": 1.0}
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def region(x):
+        return torch.tanh(x @ w) * state["scale"]
+
+    def step(change: bool):
+        x = torch.randn(4, 8, requires_grad=True)
+        ckpt = CheckpointWithoutOutput(fp8=None)  # 0.16.1: fp8=False reads as "fp8 on"
+        h = ckpt.checkpoint(region, x)
+        y = h.sin()  # saves h: the storage the checkpoint discards and recomputes
+        ckpt.discard_output_and_register_recompute(y)
+        state["scale"] = 2.0 if change else 1.0
+        y.sum().backward()
+
+    with recompute_sanitizer() as sanitizer:
+        step(change=False)
+    assert sanitizer.recomputes == 1 and sanitizer.ops_compared >= 3
+    with pytest.raises(RecomputeMismatchError, match=r"CheckpointWithoutOutput.*\(values\)"):
+        with recompute_sanitizer():
+            step(change=True)
+    state["scale"] = 1.0
+
+
+def test_everything_is_put_back_and_nesting_is_refused():
+    import torch.utils.checkpoint as tuc
+
+    before = (tuc._checkpoint_without_reentrant_generator,
+              tuc.CheckpointFunction.__dict__["forward"])
+    with recompute_sanitizer():
+        assert tuc._checkpoint_without_reentrant_generator is not before[0]
+        with pytest.raises(RuntimeError, match=r"recompute_sanitizer\(\) is already active"):
+            with recompute_sanitizer():
+                pass
+    assert (tuc._checkpoint_without_reentrant_generator,
+            tuc.CheckpointFunction.__dict__["forward"]) == before
+    with pytest.raises(RecomputeMismatchError), recompute_sanitizer():  # usable again
+        buf = torch.zeros(())
+        checkpoint(lambda t: buf.add_(1) + t.sin(), torch.randn(2, requires_grad=True),
+                   use_reentrant=False).sum().backward()
+    assert tuc._checkpoint_without_reentrant_generator is before[0]

@@ -1,0 +1,51 @@
+"""``recompute_sanitizer`` on CUDA, where ops that accumulate with atomics are not bitwise
+repeatable: a region whose forward uses them passes (the values of that op and every later op
+of the region are compared within ``_fingerprint.ATOMIC_RTOL``), and a real difference after
+them is still caught. Prints the measured spread next to the tolerance (the evidence the
+tolerance is chosen from)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+from fixes.sanitize.recompute import ATOMIC_RTOL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.no_stackfix_sanitize]
+
+# Two tokens per output row on average (top-2 routing's combine): the atomics reorder them.
+TOKENS, DIM, ROWS = 1 << 14, 512, 1 << 13
+
+
+def _region(scale: dict):
+    def region(src, idx):
+        out = torch.zeros(ROWS, DIM, device=src.device, dtype=src.dtype)
+        out = out.index_add(0, idx, src)  # as an MoE unpermute combines tokens
+        return (out * scale["s"]).tanh()
+    return region
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_atomics_within_tolerance_and_real_differences_caught(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(TOKENS, DIM, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    idx = torch.randint(0, ROWS, (TOKENS,), device="cuda", generator=g)
+    a = _region({"s": 1.0})(src.detach(), idx).float()
+    b = _region({"s": 1.0})(src.detach(), idx).float()
+    spread = float((a - b).norm() / a.norm())
+    print(f"{dtype}: ||forward - forward|| / ||forward|| = {spread:.3e} "
+          f"(tolerance {ATOMIC_RTOL[dtype]:.3e})")
+    assert spread <= ATOMIC_RTOL[dtype]
+
+    scale = {"s": 1.0}
+    with recompute_sanitizer() as sanitizer:
+        checkpoint(_region(scale), src, idx, use_reentrant=False).sum().backward()
+    assert sanitizer.recomputes == 1
+
+    with pytest.raises(RecomputeMismatchError, match=r"\(values\): values of aten\.(mul|tanh)"):
+        with recompute_sanitizer():
+            y = checkpoint(_region(scale), src, idx, use_reentrant=False).sum()
+            scale["s"] = 1.5
+            y.backward()
