@@ -14,7 +14,11 @@
   ``|d sum| <= rtol * sqrt(numel) * norm``.
 
 Ops whose outputs hold uninitialised memory (``empty`` and friends) get no fingerprint, only
-metadata: their values differ run to run by design. Neither do collectives (``c10d``,
+metadata: their values differ run to run by design. Nor do the outputs an op returns its own RNG
+state in (``valued_outputs``): the fused attention kernels return the philox seed and offset
+they drew (``_scaled_dot_product_efficient_attention``, ``_flash_attention_forward``, ...),
+which a recompute draws anew with no effect on the result when dropout is off (H200: a false
+positive on every CUDA SDPA region before this rule). Neither do collectives (``c10d``,
 ``_c10d_functional``): their outputs are in flight until a wait, so the values read at the op
 race with the communication; the next op that reads the result carries them.
 """
@@ -59,6 +63,20 @@ _DEFAULT_RTOL = 16 * torch.finfo(torch.float32).eps
 
 def tensors(outputs) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
+
+
+# Schema names of returns that carry an op's RNG state or scratch, not its result.
+_STATE_RETURNS = ("philox", "seed", "rng_state", "debug_attn_mask", "unused")
+
+
+def valued_outputs(func, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs`` less the returns that hold the op's RNG state (by the schema's return names;
+    only where the returns are a flat list of tensors, one per output)."""
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    if len(returns) != len(outs):
+        return outs
+    return [t for t, r in zip(outs, returns, strict=True)
+            if not any(word in (r.name or "") for word in _STATE_RETURNS)]
 
 
 def metadata(outs: list[torch.Tensor]) -> tuple:

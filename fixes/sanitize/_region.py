@@ -108,11 +108,12 @@ def _record(func, out, region: Region) -> OpRecord | None:
     if site is None:
         return None
     outs = fp.tensors(out)
+    valued = fp.valued_outputs(func, outs)
     with torch._C._DisableTorchDispatch():  # no other mode sees (or caches) these kernels
-        print_ = fp.fingerprint(func, outs) if region.values else None
+        print_ = fp.fingerprint(func, valued) if region.values else None
     inexact = fp.is_inexact(func, outs)
     return OpRecord(func, fp.metadata(outs), site, print_, inexact,
-                    fp.rtol_scale(outs) if print_ is not None else None)
+                    fp.rtol_scale(valued) if print_ is not None else None)
 
 
 class _RecordForward(TorchDispatchMode):
