@@ -62,7 +62,9 @@ class ReleasedStorageError(RuntimeError):
         self.shape = tuple(tensor.shape)
         where = caller[0] if caller else "(no Python caller outside torch)"
         released_at = release.site[0] if release.site else "(no Python caller outside torch)"
-        self.summary = f"ReleasedStorageError: {op} at {where}, released at {released_at}"
+        # For one-line reports (pytest's short summary): file:line only.
+        self.summary = (f"ReleasedStorageError: {op} at {where.split(' in ')[0]}, "
+                        f"released at {released_at.split(' in ')[0]}")
         super().__init__(
             f"{op} at {where} would access freed memory (released at {released_at})\n"
             f"  its tensor argument #{index} (shape {list(self.shape)}, {tensor.dtype}, "
