@@ -30,6 +30,7 @@ from fixes.torchtitan import (
 )
 from fixes.torchtitan.backward_threads import SingleThreadedBackwardUnavailable
 from repro import run_isolated
+from repro.harness.optional import require
 from repro.harness.spmd_mesh import spmd_mesh
 from repro.mesh_recompute import (
     FIXES,
@@ -401,12 +402,8 @@ def test_make_checkpoint_wrappers_rejects_reentrant():
 
 
 def _torchtitan_spmd():
-    try:
-        import torchtitan.distributed.activation_checkpoint as ac
-        import torchtitan.distributed.spmd_types as titan_spmd
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-        pytest.skip(f"torchtitan not importable on this torch: {exc!r}")
-    return ac, titan_spmd
+    return require("torchtitan.distributed.activation_checkpoint",
+                   "torchtitan.distributed.spmd_types")
 
 
 @pytest.mark.cpu
