@@ -17,6 +17,7 @@ import torch
 
 from fixes.sanitize import ReleasedStorageError, StorageRelease, storage_sanitizer
 from repro import run_isolated
+from repro.harness.optional import require
 
 ROOT = str(Path(__file__).parent.parent)
 # These tests enter the sanitizers themselves (they refuse to be nested).
@@ -296,3 +297,18 @@ def test_torch_compile_still_compiles_under_it():
         got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
     assert torch.allclose(got, f(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.cpu
+def test_a_triton_launch_on_released_memory_is_refused_before_it_runs():
+    """A Triton kernel reads data_ptr() itself (no dispatcher call): its launch is checked.
+    On a CPU-only machine the launch itself would fail (no driver), so nothing runs here."""
+    require("triton")
+    from triton_kernels import add_one
+
+    h = torch.randn(4, 8)
+    a, b = torch.chunk(h, 2, -1)
+    with storage_sanitizer():
+        a.untyped_storage().resize_(0)
+        with pytest.raises(ReleasedStorageError, match=r"^triton kernel add_one at tests/"):
+            add_one[(1,)](b, 16)

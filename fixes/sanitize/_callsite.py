@@ -1,11 +1,13 @@
 """Where a call came from: a short Python stack of ``file:line in function`` entries, innermost
-first, that skips torch's own frames and the sanitizers' (the caller is what a reader needs);
+first, that skips torch's, triton's and the sanitizers' own frames (the caller is what a reader
+needs);
 and the one-at-a-time slot each sanitizer is entered through, which names where the active one
 was entered (or who entered it: ``entered_as``, for the pytest plugin)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
@@ -13,10 +15,22 @@ from collections.abc import Iterator
 
 import torch
 
-_SKIPPED_DIRS = (
+
+def _package_dir(name: str) -> str | None:
+    """Where an installed package lives, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return os.path.dirname(os.path.abspath(origin)) + os.sep if origin else None
+
+
+_SKIPPED_DIRS = tuple(filter(None, (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
+    _package_dir("triton"),  # a kernel launch's own frames (fixes.sanitize.storage checks them)
+)))
 _SKIPPED_FILES = (contextlib.__file__,)  # a ``with`` statement's own frames
 
 

@@ -17,14 +17,19 @@ released storage is gone) the mode only forwards each op: the fast path. The rea
 the dispatcher are guarded the same way (``tolist``, ``numpy``); ``repr`` of a released tensor
 says ``<released storage>`` instead of reading it (traceback printers call it).
 
+Triton kernel launches from Python (``JITFunction.run``) have their tensor arguments checked
+too, where triton was imported before the sanitizer was entered.
+
 Not seen: ops on threads that were already running when it was entered, ops inside
-torch.compile'd regions, shrinks made from C++, and code that reads ``data_ptr()`` directly
-(C++ extensions, Triton kernels launched from Python): no dispatcher call to check.
+torch.compile'd regions, shrinks made from C++, and other code that reads ``data_ptr()``
+directly (C++ extensions, Triton kernels launched from C++ or compiled code): no dispatcher
+call to check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -189,6 +194,31 @@ def _guarded_repr(sanitizer: StorageSanitizer, original):
     return __repr__
 
 
+def _checked_triton_launches(sanitizer: StorageSanitizer, original):
+    """``triton.runtime.jit.JITFunction.run``: a launch (``kernel[grid](...)``, also through
+    triton's autotuner) reads its tensor arguments through ``data_ptr()``, which no dispatch mode
+    sees; their memory is checked before the launch instead."""
+    def run(kernel, *args, **kwargs):
+        if sanitizer._live and sanitizer.active:
+            op = f"triton kernel {getattr(kernel, '__name__', type(kernel).__name__)}"
+            for index, t in enumerate((*args, *kwargs.values())):
+                if checkable(t) and (error := sanitizer.error_for(op, index, t)) is not None:
+                    del t, args, kwargs  # (see StorageSanitizer.check)
+                    raise error
+        return original(kernel, *args, **kwargs)
+
+    return run
+
+
+def _triton_patches(sanitizer: StorageSanitizer) -> list:
+    # Only a triton imported already: importing it here would cost every user its import time.
+    jit = sys.modules.get("triton.runtime.jit")
+    cls = getattr(jit, "JITFunction", None)
+    if cls is None or not callable(getattr(cls, "run", None)):
+        return []
+    return [(cls, "run", _checked_triton_launches(sanitizer, cls.run))]
+
+
 def _checked_threads(sanitizer: StorageSanitizer, original, make_mode):
     """``threading.Thread._bootstrap_inner`` for threads started while the sanitizer is active:
     what every Thread (subclasses, pool workers) runs first on its new OS thread, so the
@@ -238,7 +268,7 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
     ] + [
         (torch.Tensor, name, _guarded(sanitizer, name, getattr(torch.Tensor, name)))
         for name in _DIRECT_READS
-    ]
+    ] + _triton_patches(sanitizer)
     saved = []
     try:
         for cls, name, patch in patches:
