@@ -259,6 +259,8 @@ def _carry_into_nested_checkpoints() -> None:
     its module-global name from ``checkpoint`` (torch/utils/checkpoint.py), the one place every
     non-reentrant checkpoint (CheckpointWrapper included) goes through."""
     module = torch.utils.checkpoint
+    if getattr(module._checkpoint_without_reentrant_generator, _MARK, False):
+        return  # installed (the common case: this runs on every mesh_preserving call)
     with _install_lock:
         original = module._checkpoint_without_reentrant_generator
         if getattr(original, _MARK, False):
