@@ -302,7 +302,8 @@ def test_torch_compile_still_compiles_under_it():
 @pytest.mark.cpu
 def test_a_triton_launch_on_released_memory_is_refused_before_it_runs():
     """A Triton kernel reads data_ptr() itself (no dispatcher call): its launch is checked.
-    On a CPU-only machine the launch itself would fail (no driver), so nothing runs here."""
+    The tensor is on the CPU: a launch that got through would fail (no driver, or a CPU pointer
+    on a GPU host), so nothing runs in this process."""
     require("triton")
     from triton_kernels import add_one
 
@@ -312,3 +313,13 @@ def test_a_triton_launch_on_released_memory_is_refused_before_it_runs():
         a.untyped_storage().resize_(0)
         with pytest.raises(ReleasedStorageError, match=r"^triton kernel add_one at tests/"):
             add_one[(1,)](b, 16)
+
+
+@pytest.mark.gpu
+def test_a_triton_launch_on_released_cuda_memory_is_refused_before_it_runs():
+    require("triton")
+    code = ("sys.path.insert(0, 'tests'); from triton_kernels import add_one;"
+            " a, b = torch.chunk(h, 2, -1); release(a); add_one[(1,)](b, 16)")
+    case = _run_cases("cuda", {"triton-launch": code})["triton-launch"]
+    assert case["error"] == "ReleasedStorageError", case
+    assert case["op"] == "triton kernel add_one" and case["shape"] == [4, 4], case
