@@ -24,14 +24,8 @@ Usage::
     mesh_preserving(existing_context_fn)          # wrap any context_fn (e.g. torchtitan's)
     make_checkpoint_wrappers_mesh_preserving(model)  # after torchtitan's ac.apply(model)
 
-Nested non-reentrant checkpoints: a wrapped level carries its mesh inward. While its forward
-or its recompute runs, a checkpoint called inside it with a context_fn that is not
-mesh-preserving gets the mesh-preserving one wrapping its own (the inner recompute runs later
-in the backward pass, outside the outer one's contexts). For that, the first ``mesh_preserving``
-wraps ``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` once per process;
-outside a wrapped level the wrapper only forwards. The reverse -- a mesh-preserving checkpoint
-inside one that is not, with a mesh current -- cannot work (the outer recompute reruns the inner
-forward without the mesh) and raises RuntimeError at forward time.
+Nested non-reentrant checkpoints: a wrapped level carries its mesh into the checkpoints called
+inside it; a wrapped one inside an unwrapped one is refused (fixes.torchtitan.nested_checkpoints).
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ import contextlib
 import functools
 import importlib.metadata
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +41,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
+
+from fixes.torchtitan import nested_checkpoints
 
 __all__ = [
     "make_checkpoint_wrappers_mesh_preserving",
@@ -205,11 +200,11 @@ class _MeshReentry:
 
     def __enter__(self):
         self._previous.append(self.snapshot.install())
-        _carrying.depth += 1
+        nested_checkpoints.carrying.depth += 1  # checkpoints run in recompute: carry it inward
         try:
             return self.inner.__enter__()
         except BaseException:
-            _carrying.depth -= 1
+            nested_checkpoints.carrying.depth -= 1
             self._previous.pop().restore_raw()
             raise
 
@@ -217,76 +212,8 @@ class _MeshReentry:
         try:
             return self.inner.__exit__(exc_type, exc, tb)
         finally:
-            _carrying.depth -= 1
+            nested_checkpoints.carrying.depth -= 1
             self._previous.pop().restore_raw()
-
-
-class _Carrying(threading.local):
-    depth = 0  # how many mesh-preserving forwards / recomputes this thread is inside
-
-
-_carrying = _Carrying()
-
-
-class _CarryInward:
-    """Around a wrapped level's forward (and inside its recompute): checkpoints called in it
-    are made mesh-preserving (``_nested_checkpoint_generator``)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __enter__(self):
-        _carrying.depth += 1
-        try:
-            return self.inner.__enter__()
-        except BaseException:
-            _carrying.depth -= 1
-            raise
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            return self.inner.__exit__(exc_type, exc, tb)
-        finally:
-            _carrying.depth -= 1
-
-
-_install_lock = threading.Lock()
-
-
-def _carry_into_nested_checkpoints() -> None:
-    """Wrap torch's non-reentrant checkpoint generator (once per process) so that a checkpoint
-    called inside a mesh-preserving level gets a mesh-preserving context_fn. torch calls it by
-    its module-global name from ``checkpoint`` (torch/utils/checkpoint.py), the one place every
-    non-reentrant checkpoint (CheckpointWrapper included) goes through."""
-    module = torch.utils.checkpoint
-    if getattr(module._checkpoint_without_reentrant_generator, _MARK, False):
-        return  # installed (the common case: this runs on every mesh_preserving call)
-    with _install_lock:
-        original = module._checkpoint_without_reentrant_generator
-        if getattr(original, _MARK, False):
-            return
-
-        @functools.wraps(original)
-        def _nested_checkpoint_generator(fn, preserve_rng_state=True,
-                                         context_fn=noop_context_fn, *args, **kwargs):
-            if _carrying.depth and not getattr(context_fn, _MARK, False):
-                context_fn = mesh_preserving(context_fn)
-            return original(fn, preserve_rng_state, context_fn, *args, **kwargs)
-
-        setattr(_nested_checkpoint_generator, _MARK, True)
-        module._checkpoint_without_reentrant_generator = _nested_checkpoint_generator
-
-
-def _inside_unwrapped_checkpoint_forward() -> bool:
-    """Called from a context_fn: is this a checkpoint nested in another non-reentrant
-    checkpoint's forward that is not mesh-preserving? (The top saved-tensor hook is then that
-    checkpoint's pack hook, torch/utils/checkpoint.py ``_checkpoint_hook``.)"""
-    if _carrying.depth:
-        return False
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = top[0] if top else None
-    return (getattr(pack, "__module__", None) == "torch.utils.checkpoint"
-            and getattr(pack, "__qualname__", "").startswith("_checkpoint_hook."))
 
 
 class _PassThroughMode(TorchDispatchMode):
@@ -322,7 +249,7 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
         if mesh is None:
             return context_fn
         context_fn = context_fn.__wrapped__  # re-wrap the original with the given mesh
-    _carry_into_nested_checkpoints()
+    nested_checkpoints.install(mesh_preserving, _MARK)
 
     def context_fn_with_mesh():
         forward_ctx, recompute_ctx = context_fn()
@@ -335,7 +262,7 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
         snapshot = _MeshSnapshot.capture() if mesh is None else _MeshSnapshot.of_mesh(mesh)
         if not snapshot.has_mesh:
             return forward_ctx, recompute_ctx
-        if _inside_unwrapped_checkpoint_forward():
+        if nested_checkpoints.inside_unwrapped_checkpoint_forward():
             raise RuntimeError(
                 "a mesh-preserving checkpoint is nested in a checkpoint that is not "
                 "mesh-preserving: that one's recompute would rerun this forward without the "
@@ -343,7 +270,8 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
                 "context_fn), or make_checkpoint_wrappers_mesh_preserving on the model); it "
                 "then carries the mesh into every level inside it"
             )
-        return _CarryInward(forward_ctx), _MeshReentry(snapshot, recompute_ctx)
+        return (nested_checkpoints.CarryInward(forward_ctx),
+                _MeshReentry(snapshot, recompute_ctx))
 
     setattr(context_fn_with_mesh, _MARK, True)
     context_fn_with_mesh.__wrapped__ = context_fn

