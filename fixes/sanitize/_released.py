@@ -76,10 +76,10 @@ class ReleasedStorageError(RuntimeError):
 
 ReleasedStorageError.__module__ = "fixes.sanitize"  # its public home; shorter in tracebacks
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Ops that overwrite their ``self`` without reading it; any argument named ``out*`` (``out=``,
 # c10d's ``output_tensor``) is overwritten too. Only these make a regrown storage readable.
-_OVERWRITE_OPS = frozenset(
+OVERWRITE_OPS = frozenset(
     getattr(torch.ops.aten, name)
     for name in ("copy_", "zero_", "fill_", "normal_", "uniform_", "random_", "bernoulli_",
                  "exponential_", "geometric_", "cauchy_", "log_normal_")
@@ -93,7 +93,7 @@ def needed_bytes(t: torch.Tensor) -> int:
 
 
 def checkable(t) -> bool:
-    return (isinstance(t, torch.Tensor) and type(t) in _PLAIN and t.layout is torch.strided
+    return (isinstance(t, torch.Tensor) and type(t) in PLAIN and t.layout is torch.strided
             and not t.is_meta and not t.is_nested and t.numel() > 0)
 
 

@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
 from fixes.sanitize._released import (
-    _OVERWRITE_OPS,
-    _PLAIN,
+    OVERWRITE_OPS,
+    PLAIN,
     ReleasedStorageError,
     StorageRelease,
     StorageSanitizer,
@@ -75,7 +75,7 @@ class _OpKinds:
             no_data = func.overloadpacket in _NO_DATA_OPS
             overwrites = tuple(
                 a.alias_info is not None and a.alias_info.is_write
-                and (a.name.startswith("out") or (i == 0 and func.overloadpacket in _OVERWRITE_OPS))
+                and (a.name.startswith("out") or (i == 0 and func.overloadpacket in OVERWRITE_OPS))
                 for i, a in enumerate(func._schema.arguments)
             )
             known = self._known[func] = (no_data, func.is_view, overwrites)
@@ -106,7 +106,7 @@ class _CheckReleasedStorage(TorchDispatchMode):
         __tracebackhide__ = True
         kwargs = kwargs or {}
         for t in types:
-            if t not in _PLAIN:
+            if t not in PLAIN:
                 if is_traceable_wrapper_subclass_type(t):  # DTensor & co: let it unwrap first;
                     return NotImplemented  # this mode then sees the ops on its inner tensors
                 return func(*args, **kwargs)  # FakeTensor, FunctionalTensor: no real storage
