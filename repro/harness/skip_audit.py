@@ -21,6 +21,7 @@ NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is not set"
 NO_VLLM = r"vLLM not installed|vllm is not installed"
 NO_TORCHTITAN = r"torchtitan"  # not installed, or its models need a newer torch (torch 2.11)
 NO_TORCH_REMAT = r"torch[-_]remat"
+NO_TRITON = r"triton is not installed"  # CUDA torch wheels bring it; the gpu env does not
 NO_FORK_SERVER = r"fork server unavailable here"
 NOT_A_COMPAT_PYTHON = r"is not a compat Python"
 # On a GPU host: what only a CPU-only machine (or one with more GPUs) would run.
@@ -40,7 +41,8 @@ MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 ALLOWED: dict[str, tuple[str, ...]] = {
     "cpu": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
             GPU_HOST, MEGATRON_WITH_MHC),
-    "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
+    "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
+            NO_FORK_SERVER,
             NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER, MEGATRON_WITH_MHC),
     "bench": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
               GPU_HOST, NOT_APPLICABLE),
