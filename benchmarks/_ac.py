@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from repro.harness.optional import OptionalUnavailable, import_optional
+
 AC_MODES = ("none", "selective", "full")
 MODELS = ("plain-transformer", "llama3-debugmodel")
 SEED = 0
@@ -206,13 +208,14 @@ LLAMA = {"flavor": "debugmodel", "batch": 1, "seq": 128}
 
 
 def torchtitan_unavailable() -> str | None:
-    """Why torchtitan's llama3 cannot be built here, or None. On torch 2.11 (the GPU machine)
-    torchtitan 0.3.0's models fail to import (DataParallelMeshDims missing), which is not an ImportError only."""
+    """Why torchtitan's llama3 cannot be built here, or None: not installed, or (torch 2.11, the
+    GPU machine) torchtitan 0.3.0's models fail to import (DataParallelMeshDims missing). Any
+    other import failure is a broken install and raises."""
     try:
-        import torchtitan.distributed.activation_checkpoint  # noqa: F401
-        import torchtitan.models.llama3  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- any import failure means: cannot run here
-        return f"torchtitan llama3 does not import on torch {torch.__version__}: {type(e).__name__}: {e}"
+        import_optional("torchtitan.distributed.activation_checkpoint")
+        import_optional("torchtitan.models.llama3")
+    except OptionalUnavailable as e:
+        return f"torchtitan llama3 on torch {torch.__version__}: {e}"
     return None
 
 

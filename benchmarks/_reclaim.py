@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from repro.harness.leaks import ModuleStateLeak
+from repro.harness.optional import OptionalUnavailable, import_optional
 
 VARIANTS = ("plain", "chunked-mtp")
 STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
@@ -62,10 +63,10 @@ def check(variant: str, strategy: str) -> None:
 
 def megatron_unavailable() -> str | None:
     try:
-        import megatron.core.tensor_parallel  # noqa: F401
-        import megatron.core.utils  # noqa: F401
-    except Exception as e:  # noqa: BLE001 -- any import failure means: cannot run here
-        return f"megatron-core does not import here: {type(e).__name__}: {e}"
+        import_optional("megatron.core.tensor_parallel")
+        import_optional("megatron.core.utils")
+    except OptionalUnavailable as e:
+        return f"megatron-core: {e}"
     return None
 
 

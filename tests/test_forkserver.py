@@ -189,3 +189,103 @@ def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
             break
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+# --------------------------------------------------------------------------- inherited state
+
+# A sitecustomize on the server's PYTHONPATH stands in for what a preload does at import time:
+# register an atexit handler (megatron-core's wandb registers TemporaryDirectory cleanups), or
+# hang. It acts only in the server (STACKFIX_T_ROLE=server); children get role "child".
+SITECUSTOMIZE = """
+import atexit, os, time
+if os.environ.get("STACKFIX_T_ROLE") == "server":
+    marks = os.environ["STACKFIX_T_MARKS"]
+    with open(os.path.join(marks, "server"), "w") as f:
+        f.write(str(os.getpid()))
+    atexit.register(lambda: open(os.path.join(marks, "atexit-%d" % os.getpid()), "w").close())
+    if os.environ.get("STACKFIX_T_HANG") == "1":
+        time.sleep(120)
+"""
+
+
+@pytest.fixture
+def server_with_sitecustomize(monkeypatch, tmp_path):
+    """This process's fork servers replaced by fresh ones that import SITECUSTOMIZE first; they
+    are closed afterwards and the previous ones put back."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", pythonpath)
+    monkeypatch.setenv("STACKFIX_T_ROLE", "server")
+    monkeypatch.setenv("STACKFIX_T_MARKS", str(marks))
+    monkeypatch.setattr(forkserver, "_servers", {})
+    monkeypatch.setattr(forkserver, "_unavailable", {}, raising=False)
+    yield marks
+    for client in forkserver._servers.values():
+        client.sock.close()
+        if client.proc is not None:
+            client.proc.wait(timeout=30)
+
+
+def test_a_forked_child_runs_its_own_atexit_handlers_not_the_servers(server_with_sitecustomize):
+    marks = server_with_sitecustomize
+    # As many handlers as a spawned interpreter that imported logging has (logging's flush);
+    # the one it registers runs.
+    code = ("import atexit, logging\n"
+            "print(atexit._ncallbacks())\n"
+            "atexit.register(lambda: print('own handler'))\n")
+    forked, spawned = _both(code=code, env={"STACKFIX_T_ROLE": "child"}, timeout=120)
+    assert forked.ok, forked.stderr[-3000:]
+    assert (marks / "server").exists()  # the server did register its handler
+    assert forked.stdout == spawned.stdout == "1\nown handler\n", (forked.stdout, spawned.stdout)
+    assert not [p.name for p in marks.iterdir() if p.name.startswith("atexit-")]
+
+
+def test_a_hung_preload_is_killed_reported_and_children_are_spawned(
+        server_with_sitecustomize, monkeypatch):
+    marks = server_with_sitecustomize
+    monkeypatch.setenv("STACKFIX_T_HANG", "1")
+    monkeypatch.setattr(forkserver, "_READY_TIMEOUT", 3.0)
+    child = {"STACKFIX_T_ROLE": "child", "STACKFIX_T_HANG": "0"}
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"fork server .*not ready after 3 s.*spawn"):
+        r = run_isolated(code="import sys; print('torch' in sys.modules)", forkserver=True,
+                         env=child, timeout=120)
+    assert r.ok and r.stdout == "False\n", r  # spawned instead
+    assert time.monotonic() - start < 60
+    server = int((marks / "server").read_text())
+    for _ in range(50):
+        if not _alive(server):
+            break
+        time.sleep(0.1)
+    assert not _alive(server)  # killed, not waited for
+    start = time.monotonic()  # the next request does not wait for a server again
+    r = run_isolated(code="print(1)", forkserver=True, env=child, timeout=120)
+    assert r.stdout == "1\n" and time.monotonic() - start < 30
+
+
+def test_shared_types_live_in_a_leaf_module_the_fork_server_does_not_import_isolated():
+    import ast
+    import inspect
+
+    from repro.harness import isolated
+
+    def repro_imports(module) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return {n for n in names if n.startswith("repro")}
+
+    isolated_names = {n for n in repro_imports(forkserver)
+                      if n == "repro.harness.isolated" or n.startswith("repro.harness.isolated.")}
+    assert not isolated_names
+    leaf = inspect.getmodule(isolated.IsolatedResult)
+    assert leaf is not isolated and not repro_imports(leaf), leaf
+    assert forkserver.IsolatedResult is isolated.IsolatedResult

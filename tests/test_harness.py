@@ -221,4 +221,6 @@ def test_cli_sanitize_runs_children_under_the_sanitizers(tmp_path):
     assert "under fixes.sanitize" in res.stdout and "(cpu, sanitized)" in res.stderr
     [row] = json.loads(out.read_text())
     assert row["sanitized"] is True and row["status"] == "good"
-    assert row["unfixed"]["detail"].startswith("ReleasedStorageError: aten.mul.Tensor would access")
+    detail = row["unfixed"]["detail"]
+    assert detail.startswith("ReleasedStorageError: aten.mul.Tensor at repro/shared_view_reclaim.py:")
+    assert "would access freed memory" in detail

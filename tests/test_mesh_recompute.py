@@ -30,6 +30,7 @@ from fixes.torchtitan import (
 )
 from fixes.torchtitan.backward_threads import SingleThreadedBackwardUnavailable
 from repro import run_isolated
+from repro.harness.optional import require
 from repro.harness.spmd_mesh import spmd_mesh
 from repro.mesh_recompute import (
     FIXES,
@@ -401,12 +402,8 @@ def test_make_checkpoint_wrappers_rejects_reentrant():
 
 
 def _torchtitan_spmd():
-    try:
-        import torchtitan.distributed.activation_checkpoint as ac
-        import torchtitan.distributed.spmd_types as titan_spmd
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-        pytest.skip(f"torchtitan not importable on this torch: {exc!r}")
-    return ac, titan_spmd
+    return require("torchtitan.distributed.activation_checkpoint",
+                   "torchtitan.distributed.spmd_types")
 
 
 @pytest.mark.cpu
@@ -520,3 +517,69 @@ def test_single_threaded_backward_keeps_cuda_backward_on_the_calling_thread():
     assert threads[0] != me  # default: autograd's CUDA device thread
     assert threads[1] == me  # single-threaded: the calling thread
     assert threads[2] != caller  # main's setting does not reach the pool thread
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+@pytest.mark.cpu
+def test_capture_fails_loudly_if_torchtitan_drops_its_mesh_thread_locals(monkeypatch, mesh):
+    """A torchtitan whose spmd module has no ``_MESH_TLS`` would make recompute run without
+    torchtitan's mesh (its collectives then skip silently): refused, naming the version."""
+    import importlib.metadata
+    import sys
+    import types
+
+    name = "torchtitan.distributed.spmd_types"
+    monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    try:
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    with spmd.set_current_mesh(mesh):
+        with pytest.raises(RuntimeError, match=rf"_MESH_TLS.*torchtitan {version}"):
+            mesh_preserving_context_fn()
+
+
+def _needs_mesh(t):
+    if spmd.current_mesh() is None:
+        raise RuntimeError("no current mesh")
+    return t
+
+
+def _inner(t):
+    return _needs_mesh(t.sin()).cos()
+
+
+def _outer(t, inner_context_fn):
+    inner = checkpoint(_inner, t * 2, use_reentrant=False, context_fn=inner_context_fn)
+    return _needs_mesh(inner).exp()
+
+
+def _nested_loss(outer_context_fn, inner_context_fn, mesh, x):
+    with spmd.set_current_mesh(mesh):
+        return checkpoint(_outer, x, inner_context_fn, use_reentrant=False,
+                          context_fn=outer_context_fn).sum()
+
+
+@pytest.mark.cpu
+def test_a_wrapped_outer_checkpoint_carries_the_mesh_into_unwrapped_inner_ones(mesh):
+    from torch.utils.checkpoint import noop_context_fn
+
+    x = torch.randn(4, requires_grad=True)
+    _nested_loss(mesh_preserving_context_fn, noop_context_fn, mesh, x).backward()
+    reference = x.detach().clone().requires_grad_()  # the same function, no checkpoint
+    with spmd.set_current_mesh(mesh):
+        _needs_mesh(_inner(reference * 2)).exp().sum().backward()
+    assert torch.equal(x.grad, reference.grad)
+    assert spmd.current_mesh() is None  # nothing left installed on this thread
+
+
+@pytest.mark.cpu
+def test_a_wrapped_inner_checkpoint_in_an_unwrapped_outer_one_is_refused(mesh):
+    from torch.utils.checkpoint import noop_context_fn
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"nested in a checkpoint that is not mesh-preserving"):
+        _nested_loss(noop_context_fn, mesh_preserving_context_fn, mesh, x)
+    assert spmd.current_mesh() is None

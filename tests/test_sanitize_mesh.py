@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from fixes.sanitize import MeshLostError, mesh_sanitizer
 from fixes.torchtitan import mesh_preserving_context_fn
 from repro import run_isolated
+from repro.harness.optional import require
 from repro.harness.spmd_mesh import spmd_mesh
 
 ROOT = str(Path(__file__).parent.parent)
@@ -219,13 +220,10 @@ def test_without_spmd_types_entering_names_it_and_importing_does_not_fail():
 
 
 def _titan():
-    try:
-        import torchtitan.distributed.spmd_types as titan_spmd
-        import torchtitan.protocols.module as titan_module
-        from torchtitan.distributed.parallel_dims import MeshAxisName
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-        pytest.skip(f"torchtitan not importable on this torch: {exc!r}")
-    return titan_spmd, titan_module, MeshAxisName
+    titan_spmd, titan_module, parallel_dims = require(
+        "torchtitan.distributed.spmd_types", "torchtitan.protocols.module",
+        "torchtitan.distributed.parallel_dims")
+    return titan_spmd, titan_module, parallel_dims.MeshAxisName
 
 
 @pytest.mark.cpu

@@ -17,6 +17,7 @@ import torch
 
 from fixes.sanitize import ReleasedStorageError, StorageRelease, storage_sanitizer
 from repro import run_isolated
+from repro.harness.optional import require
 
 ROOT = str(Path(__file__).parent.parent)
 # These tests enter the sanitizers themselves (they refuse to be nested).
@@ -37,9 +38,32 @@ CASES = {
         " release(w); y.sum().backward()"
     ),
     "partial-shrink": "release(h, keep=64); h.sum()",
-    # Reads that bypass the dispatcher (a repr turns every mode off; tolist reads in C++).
-    "repr": "a, b = torch.chunk(h, 2, -1); release(a); repr(b)",
+    # A view of a released tensor: torch's own bounds check would raise first, naming nothing.
+    "view": "a, b = torch.chunk(h, 2, -1); release(a); b.t()",
+    "backward-view": (  # mm's backward first touches the saved chunk through b.t()
+        "w = torch.randn(4, 3, device=device, requires_grad=True); a, b = torch.chunk(h, 2, -1);"
+        " y = b @ w; release(a); y.sum().backward()"
+    ),
+    # Another StorageImpl over the same memory (keyed on the data pointer range).
+    "dlpack-alias": "u = torch.from_dlpack(torch.to_dlpack(h)); release(h); u.sum()",
+    # Other threads: a plain threading.Thread and a pool started while the sanitizer is active.
+    "thread-read": "a, b = torch.chunk(h, 2, -1); release(a); in_thread(b.sum)",
+    "pool-read": (
+        "from concurrent.futures import ThreadPoolExecutor; a, b = torch.chunk(h, 2, -1);"
+        " release(a); ThreadPoolExecutor(1).submit(b.sum).result()"
+    ),
+    # Grown back after the release: the bytes are uninitialised until something writes them.
+    "regrown-read": "release(h); h.untyped_storage().resize_(128); h.sum()",
+    "regrown-update": "release(h); h.untyped_storage().resize_(128); h.add_(1)",
+    # Reads that bypass the dispatcher (tolist reads in C++).
     "tolist": "a, b = torch.chunk(h, 2, -1); release(a); b.tolist()",
+    # repr names the release instead of raising (a traceback printer calls it on arguments).
+    "ok-repr": "a, b = torch.chunk(h, 2, -1); release(a); result = repr(b)",
+    # A new allocation that reuses the released memory, and an alias of it, are not flagged.
+    "ok-alias-of-a-new-allocation": (
+        "release(h); z = torch.randn(4, 8, device=device);"
+        " result = torch.from_dlpack(torch.to_dlpack(z)).sum().item() == z.sum().item()"
+    ),
     "ok-partial-shrink-prefix": "release(h, keep=64); h.view(-1)[:16].sum()",
     # Ops that read no element (views are left to torch's own bounds check).
     "ok-metadata-only": (
@@ -47,6 +71,9 @@ CASES = {
         " torch.zeros_like(b); b.shape; b.stride()"
     ),
     "ok-regrown": "release(h); h.untyped_storage().resize_(128); h.zero_().sum()",
+    "ok-regrown-copied-into": (
+        "release(h); h.untyped_storage().resize_(128); h.copy_(torch.ones(4, 8)); h.sum()"
+    ),
     "regrown-too-little": "release(h); h.untyped_storage().resize_(64); h.sum()",
 }
 # DTensor (a wrapper subclass) is unwrapped first, so its local tensor is checked (CPU mesh).
@@ -55,6 +82,11 @@ CPU_CASES = {
         "from torch.distributed.tensor import DTensor, Replicate;"
         " from repro.harness.spmd_mesh import spmd_mesh;"
         " d = DTensor.from_local(h, spmd_mesh(), [Replicate()]); release(h); (d * 2).to_local()"
+    ),
+    # An alias that holds no reference to the tensor (a raw pointer through ctypes).
+    "frombuffer-alias": (
+        "import ctypes; u = torch.frombuffer((ctypes.c_float * 32).from_address(h.data_ptr()),"
+        " dtype=torch.float32); release(h); u.sum()"
     ),
 }
 
@@ -67,18 +99,36 @@ cases = json.loads(sys.argv[2])
 def release(t, keep=0):
     t.untyped_storage().resize_(keep)
 
+def in_thread(fn):
+    errors = []
+    def run():
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
 for name, code in cases.items():
     h = torch.randn(4, 8, device=device)
+    scope = dict(globals(), h=h)
     seen = {}
     try:
         with storage_sanitizer() as s:
-            exec(code)
+            exec(code, scope)
             if device == "cuda":
                 torch.cuda.synchronize()
         seen["error"] = None
     except ReleasedStorageError as e:
         seen.update(error=type(e).__name__, op=e.op, shape=list(e.shape), message=str(e),
-                    site=list(e.release.site), thread=e.release.thread)
+                    site=list(e.release.site), thread=e.release.thread,
+                    caller=list(e.caller))
+    except Exception as e:
+        seen.update(error=type(e).__name__, message=str(e))
+    seen["result"] = str(scope.get("result"))
     seen["live"] = len(s._live)
     print("CASE " + json.dumps({name: seen}), flush=True)
 """
@@ -113,8 +163,23 @@ def test_released_storage_is_named_before_the_kernel_runs(device):
     assert seen["chunk-sibling-read"]["shape"] == [4, 4]
     assert seen["partial-shrink"]["message"].count("needs 128 bytes of a storage that now holds 64")
     assert seen["copy-into"]["op"] == "aten.copy_.default"
-    assert (seen["repr"]["op"], seen["tolist"]["op"]) == ("Tensor.__repr__", "Tensor.tolist")
-    assert seen["ok-regrown"]["live"] == 0  # grown again: no longer tracked
+    assert seen["tolist"]["op"] == "Tensor.tolist"
+    assert seen["view"]["op"] == "aten.t.default"
+    assert seen["backward-view"]["op"] == "aten.t.default"
+    assert seen["dlpack-alias"]["op"] == "aten.sum.default"
+    for name in ("thread-read", "pool-read"):
+        assert seen[name]["op"] == "aten.sum.default", (name, seen[name])
+    for name in ("regrown-read", "regrown-update"):
+        assert "regrown" in seen[name]["message"] and "uninitialised" in seen[name]["message"]
+    assert seen["ok-repr"]["result"].startswith("tensor(<released storage>"), seen["ok-repr"]
+    assert seen["ok-alias-of-a-new-allocation"]["result"] == "True"
+    assert seen["ok-regrown"]["live"] == 0  # written after it grew again: no longer tracked
+    # The message leads with the op's caller (the user's frame) and the release site.
+    first = seen["chunk-sibling-read"]
+    assert first["caller"][0].startswith("<string>:1 in <module>"), first
+    head = first["message"].splitlines()[0]
+    assert head.startswith(f"aten.sum.default at {first['caller'][0]}"), head
+    assert f"released at {first['site'][0]}" in head, head
 
 
 @pytest.mark.gpu
@@ -181,6 +246,7 @@ def test_fast_path_returns_once_released_storages_are_gone():
 def test_restores_resize_and_the_mode_stack_also_on_error():
     before_stack = torch._C._len_torch_dispatch_stack()
     tensor_methods = {n: torch.Tensor.__dict__.get(n) for n in ("__repr__", "tolist", "numpy")}
+    bootstrap = threading.Thread.__dict__["_bootstrap_inner"]
     assert "resize_" not in torch.UntypedStorage.__dict__
     with pytest.raises(ValueError, match="boom"), storage_sanitizer():
         assert "resize_" in torch.UntypedStorage.__dict__
@@ -188,6 +254,7 @@ def test_restores_resize_and_the_mode_stack_also_on_error():
         raise ValueError("boom")
     assert "resize_" not in torch.UntypedStorage.__dict__
     assert {n: torch.Tensor.__dict__.get(n) for n in tensor_methods} == tensor_methods
+    assert threading.Thread.__dict__["_bootstrap_inner"] is bootstrap
     assert torch._C._len_torch_dispatch_stack() == before_stack
     with storage_sanitizer():  # and it can be entered again
         pass
@@ -230,3 +297,29 @@ def test_torch_compile_still_compiles_under_it():
         got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
     assert torch.allclose(got, f(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.cpu
+def test_a_triton_launch_on_released_memory_is_refused_before_it_runs():
+    """A Triton kernel reads data_ptr() itself (no dispatcher call): its launch is checked.
+    The tensor is on the CPU: a launch that got through would fail (no driver, or a CPU pointer
+    on a GPU host), so nothing runs in this process."""
+    require("triton")
+    from triton_kernels import add_one
+
+    h = torch.randn(4, 8)
+    a, b = torch.chunk(h, 2, -1)
+    with storage_sanitizer():
+        a.untyped_storage().resize_(0)
+        with pytest.raises(ReleasedStorageError, match=r"^triton kernel add_one at tests/"):
+            add_one[(1,)](b, 16)
+
+
+@pytest.mark.gpu
+def test_a_triton_launch_on_released_cuda_memory_is_refused_before_it_runs():
+    require("triton")
+    code = ("sys.path.insert(0, 'tests'); from triton_kernels import add_one;"
+            " a, b = torch.chunk(h, 2, -1); release(a); add_one[(1,)](b, 16)")
+    case = _run_cases("cuda", {"triton-launch": code})["triton-launch"]
+    assert case["error"] == "ReleasedStorageError", case
+    assert case["op"] == "triton kernel add_one" and case["shape"] == [4, 4], case

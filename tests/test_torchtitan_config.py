@@ -8,14 +8,12 @@ import typing
 
 import pytest
 
+from repro.harness.optional import require
+
 pytestmark = pytest.mark.cpu
 
 # the config reads spmd backends / optimizer names from torchtitan (config + components only)
-try:
-    import torchtitan.components.optimizer  # noqa: F401
-    import torchtitan.config  # noqa: F401
-except Exception as exc:  # noqa: BLE001 - not installed, or not importable on this torch
-    pytest.skip(f"torchtitan config/components do not import here ({exc})", allow_module_level=True)
+require("torchtitan.components.optimizer", "torchtitan.config")
 
 from fixes.torchtitan.config import (  # noqa: E402
     AC_MODES,

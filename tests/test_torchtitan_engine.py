@@ -15,17 +15,16 @@ import json
 import pytest
 import torch
 
-try:
-    import torchtitan.models  # noqa: F401
-    import torchtitan.trainer  # noqa: F401
+from repro.harness.optional import OptionalUnavailable, import_optional
 
+try:  # torchtitan 0.3.0's models need torch >= 2.12 (torch 2.11: DataParallelMeshDims missing)
+    import_optional("torchtitan.models")
+    import_optional("torchtitan.trainer")
     _TITAN_ERROR = None
-except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing
+except OptionalUnavailable as exc:
     _TITAN_ERROR = exc
 
-needs_titan_models = pytest.mark.skipif(
-    _TITAN_ERROR is not None, reason=f"torchtitan models need torch >= 2.12 ({_TITAN_ERROR})"
-)
+needs_titan_models = pytest.mark.skipif(_TITAN_ERROR is not None, reason=str(_TITAN_ERROR))
 pytestmark = needs_titan_models
 
 SEQ = 16

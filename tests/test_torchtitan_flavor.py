@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from repro.harness.optional import require
+
 pytestmark = pytest.mark.cpu
 
-try:  # the flavors are parametrized from torchtitan's own registries at collection time
-    from torchtitan.models import llama3, qwen3
-except Exception as exc:  # noqa: BLE001 - torch 2.11: DataParallelMeshDims missing
-    pytest.skip(f"torchtitan models need torch >= 2.12 ({exc})", allow_module_level=True)
+# The flavors are parametrized from torchtitan's own registries at collection time; torchtitan
+# 0.3.0's models need torch >= 2.12 (torch 2.11 lacks DataParallelMeshDims): then skipped.
+llama3, qwen3 = require("torchtitan.models.llama3", "torchtitan.models.qwen3")
 
 from fixes.torchtitan.flavor import (  # noqa: E402
     derive_name_and_flavor,

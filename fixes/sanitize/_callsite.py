@@ -1,21 +1,36 @@
 """Where a call came from: a short Python stack of ``file:line in function`` entries, innermost
-first, that skips torch's own frames and the sanitizers' (the caller is what a reader needs);
+first, that skips torch's, triton's and the sanitizers' own frames (the caller is what a reader
+needs);
 and the one-at-a-time slot each sanitizer is entered through, which names where the active one
-was entered."""
+was entered (or who entered it: ``entered_as``, for the pytest plugin)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 import torch
 
-_SKIPPED_DIRS = (
+
+def _package_dir(name: str) -> str | None:
+    """Where an installed package lives, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = spec.origin if spec is not None else None
+    return os.path.dirname(os.path.abspath(origin)) + os.sep if origin else None
+
+
+_SKIPPED_DIRS = tuple(filter(None, (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
+    _package_dir("triton"),  # a kernel launch's own frames (fixes.sanitize.storage checks them)
+)))
 _SKIPPED_FILES = (contextlib.__file__,)  # a ``with`` statement's own frames
 
 
@@ -48,6 +63,21 @@ def describe_site(site: tuple[str, ...]) -> str:
     return " <- ".join(site) if site else "(no Python caller outside torch)"
 
 
+_entering = threading.local()
+
+
+@contextlib.contextmanager
+def entered_as(who: str, hint: str) -> Iterator[None]:
+    """Sanitizers entered on this thread inside this block are recorded as entered ``who``
+    (e.g. "by the pytest plugin ..."), and a second entry is told ``hint`` (what fixes it)."""
+    saved = getattr(_entering, "label", None)
+    _entering.label = (who, hint)
+    try:
+        yield
+    finally:
+        _entering.label = saved
+
+
 class ActiveSlot:
     """At most one active sanitizer of a kind: ``claim`` it on entry (RuntimeError naming where
     the active one was entered, if any), ``release`` it on exit."""
@@ -55,16 +85,19 @@ class ActiveSlot:
     def __init__(self, name: str):
         self.name = name  # e.g. "storage_sanitizer()"
         self._lock = threading.Lock()
-        self._entry: tuple[object, tuple[str, ...]] | None = None
+        self._entry: tuple[object, str, str | None] | None = None
 
     def claim(self, sanitizer: object, site: tuple[str, ...]) -> None:
+        label = getattr(_entering, "label", None)
+        who, hint = label if label is not None else (f"at {describe_site(site)}", None)
         with self._lock:
             if self._entry is not None:
+                _, active_who, active_hint = self._entry
                 raise RuntimeError(
-                    f"{self.name} is already active (entered at {describe_site(self._entry[1])}); "
-                    "it cannot be nested or entered twice at once"
+                    f"{self.name} is already active (entered {active_who}); it cannot be nested "
+                    "or entered twice at once" + (f": {active_hint}" if active_hint else "")
                 )
-            self._entry = (sanitizer, site)
+            self._entry = (sanitizer, who, hint)
 
     def release(self) -> None:
         with self._lock:

@@ -13,6 +13,9 @@ the test's own process: child processes a test starts are not. A test marked
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import sys
 
 import pytest
 
@@ -68,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     try:
         import spmd_types  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure turns the mesh part off
+    except ImportError as exc:  # absent or not importable here: the mesh part is off
         config.stash[_MESH_KEY] = f"spmd_types does not import: {type(exc).__name__}: {exc}"
     else:
         config.stash[_MESH_KEY] = None
@@ -90,15 +93,70 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # Around the whole protocol, not just the call: the failure report is written in here too,
-    # and a repr of a released tensor in it (pytest shows frame arguments) must raise, not
-    # read freed memory.
+    # and a repr of a released tensor in it (pytest shows frame arguments) must not read freed
+    # memory.
     names = _enabled(item.config)
     if not names or item.get_closest_marker(MARKER):
         return (yield)
     import fixes.sanitize as sanitize
+    from fixes.sanitize._callsite import entered_as
 
     with contextlib.ExitStack() as stack:
-        for name in SANITIZERS:
-            if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
-                stack.enter_context(getattr(sanitize, f"{name}_sanitizer")())
+        with entered_as(f"by the pytest plugin {__name__} ({OPTION}) around {item.nodeid}",
+                        f"mark the test @pytest.mark.{MARKER} to enter the sanitizers itself"):
+            for name in SANITIZERS:
+                if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
+                    stack.enter_context(getattr(sanitize, f"{name}_sanitizer")())
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A ReleasedStorageError failure (with or without the flag) is shown from the user's
+    side: torch's and the sanitizer's frames are left out of its traceback (the deepest frame
+    shown is the op's caller), and the short summary line is the error's ``summary`` (op,
+    caller, release site) rather than the start of its qualified name."""
+    released = _released_storage_error()
+    excinfo = call.excinfo
+    ours = released is not None and excinfo is not None and excinfo.errisinstance(released)
+    if ours:
+        _drop_hidden_frames(excinfo)
+    report = yield
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if ours and crash is not None:
+        crash.message = excinfo.value.summary
+    return report
+
+
+def _drop_hidden_frames(excinfo: pytest.ExceptionInfo) -> None:
+    # Relinks the raw traceback: pytest's traceback filter re-walks it from the test's own
+    # entry (Traceback.cut), so filtering pytest's Traceback object alone would not hold.
+    kept = []
+    tb = excinfo.tb
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_HIDDEN):
+            kept.append(tb)
+        tb = tb.tb_next
+    if not kept or kept[0] is not excinfo.tb:
+        return
+    for tb, after in zip(kept, [*kept[1:], None], strict=True):
+        tb.tb_next = after
+    excinfo.traceback = type(excinfo.traceback)(excinfo.tb)
+
+
+def _released_storage_error():
+    # Looked up, not imported: a session that never imported the sanitizer (and so torch)
+    # cannot have raised it, and this plugin loads in every session of the environment.
+    module = sys.modules.get("fixes.sanitize._released")
+    return getattr(module, "ReleasedStorageError", None)
+
+
+def _hidden_dirs() -> tuple[str, ...]:
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        dirs.append(os.path.dirname(os.path.abspath(spec.origin)) + os.sep)
+    return tuple(dirs)
+
+
+_HIDDEN = _hidden_dirs()  # torch's package and fixes.sanitize's

@@ -1,5 +1,6 @@
 """``storage_sanitizer()``: an op that would read or write memory given back by
-``UntypedStorage.resize_`` raises ``ReleasedStorageError`` before its kernel runs.
+``UntypedStorage.resize_`` raises ``ReleasedStorageError`` before its kernel runs (what is
+tracked, and how a tensor is found to lie in released memory: fixes.sanitize._released).
 
 Why: verl's recompute reclaim (verl #5251, #7328) ``resize_(0)``\\ s storages that chunk views
 share; the later reader dies with SIGSEGV on CPU or a CUDA illegal memory access, far from the
@@ -7,66 +8,49 @@ release, or reads garbage once the storage is grown again. Nothing in PyTorch na
 
 How, while active: ``torch.UntypedStorage.resize_`` is wrapped to record every shrink with its
 Python call site, and a ``TorchDispatchMode`` checks the tensor arguments of every op against the
-shrunk storages that are still alive. The autograd engine runs backward ops under the modes of
-the thread that called ``backward()``, also on its device threads. Until a shrink is recorded (and
-again once every shrunk storage is gone) the mode only forwards each op: the fast path. The
-reads that bypass the dispatcher (``repr``, ``tolist``, ``numpy``) are guarded the same way.
+released storages that are still alive; a view op (which reads nothing, but whose own bounds
+check fails on a released storage) is checked when torch refuses it. The mode is in force on the
+thread that entered, on every ``threading.Thread`` started while it is active (pools
+included), and on autograd's device threads for the backward passes those threads run
+(PyTorch propagates the dispatch modes there). Until a shrink is recorded (and again once every
+released storage is gone) the mode only forwards each op: the fast path. The reads that bypass
+the dispatcher are guarded the same way (``tolist``, ``numpy``); ``repr`` of a released tensor
+says ``<released storage>`` instead of reading it (traceback printers call it).
 
-Not seen: ops on threads other than the one that entered (and autograd's workers for its
-backward passes), ops inside torch.compile'd regions, shrinks made from C++, C++ extensions that
-read ``data_ptr()`` directly, and reads of a storage that was shrunk and grown back (memory-safe,
-but the bytes are uninitialised).
+Triton kernel launches from Python (``JITFunction.run``) have their tensor arguments checked
+too, where triton was imported before the sanitizer was entered.
+
+Not seen: ops on threads that were already running when it was entered, ops inside
+torch.compile'd regions, shrinks made from C++, and other code that reads ``data_ptr()``
+directly (C++ extensions, Triton kernels launched from C++ or compiled code): no dispatcher
+call to check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
-import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from fixes.sanitize._callsite import ActiveSlot, call_site, describe_site
+from fixes.sanitize._callsite import ActiveSlot, call_site
+from fixes.sanitize._released import (
+    OVERWRITE_OPS,
+    PLAIN,
+    ReleasedStorageError,
+    StorageRelease,
+    StorageSanitizer,
+    checkable,
+)
 
 __all__ = ["ReleasedStorageError", "StorageRelease", "StorageSanitizer", "storage_sanitizer"]
 
 
-@dataclass(frozen=True, slots=True)
-class StorageRelease:
-    """One shrink of a storage, and where it happened (innermost frame first)."""
-
-    storage: int  # StorageImpl address, as fixes.megatron.storage.storage_key gives it
-    nbytes_before: int
-    nbytes_after: int
-    site: tuple[str, ...]
-    thread: str
-
-    def describe(self) -> str:
-        return (f"resize_({self.nbytes_after}) ({self.nbytes_before} -> {self.nbytes_after} bytes) "
-                f"at {describe_site(self.site)} [thread {self.thread}]")
-
-
-class ReleasedStorageError(RuntimeError):
-    """An op was about to touch a tensor whose storage was released (shrunk) under it."""
-
-    def __init__(self, op: str, index: int, tensor: torch.Tensor, needed: int, nbytes: int,
-                 release: StorageRelease):
-        self.op, self.release = op, release
-        self.shape = tuple(tensor.shape)
-        super().__init__(
-            f"{op} would access freed memory: its tensor argument #{index} "
-            f"(shape {list(self.shape)}, {tensor.dtype}, {tensor.device}) needs {needed} bytes of "
-            f"a storage that now holds {nbytes}; the storage was released by "
-            f"UntypedStorage.{release.describe()}"
-        )
-
-
-# Ops that touch no element of their tensor arguments (views and metadata-only factories are
-# found by ``OpOverload.is_view`` on top of this list).
+# Ops that touch no element of their tensor arguments and cannot fail on released memory.
 _NO_DATA_OPS = frozenset(
     getattr(torch.ops.aten, name)
     for name in ("detach", "alias", "set_", "resize_", "record_stream", "empty_like", "new_empty",
@@ -76,85 +60,41 @@ _NO_DATA_OPS = frozenset(
                  "sym_numel", "sym_storage_offset")
     if hasattr(torch.ops.aten, name)
 )
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _needed_bytes(t: torch.Tensor) -> int:
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + extent) * t.element_size()
-
-
-def _checkable(t) -> bool:
-    return (isinstance(t, torch.Tensor) and type(t) in _PLAIN and t.layout is torch.strided
-            and not t.is_meta and not t.is_nested and t.numel() > 0)
-
-
-class StorageSanitizer:
-    """What ``storage_sanitizer()`` yields: ``releases`` lists every shrink recorded so far."""
+class _OpKinds:
+    """Per op overload, computed once: does it touch no data, is it a view (it reads none but
+    torch's own bounds check fails on released memory), and which arguments it overwrites."""
 
     def __init__(self) -> None:
-        self.releases: list[StorageRelease] = []
-        # Shrunk storages still alive: address -> (weak reference, release). PyTorch keeps one
-        # Python object per live StorageImpl, so the weak reference dies with the storage itself
-        # (and the address cannot be reused while the entry is here). Strong references would
-        # change the storage use counts that fixes.megatron.is_storage_exclusive reads.
-        self._live: dict[int, tuple[weakref.ref, StorageRelease]] = {}
-        self._lock = threading.Lock()
-        self._data_ops: dict = {}
+        self._known: dict = {}
 
-    def record(self, storage: torch.UntypedStorage, before: int, after: int) -> None:
-        key = storage._cdata
-        release = StorageRelease(key, before, after, call_site(),
-                                 threading.current_thread().name)
-
-        def gone(ref, key=key):
-            with self._lock:
-                if self._live.get(key, (None,))[0] is ref:
-                    del self._live[key]
-
-        with self._lock:
-            self.releases.append(release)
-            self._live[key] = (weakref.ref(storage, gone), release)
-
-    def regrown(self, storage: torch.UntypedStorage) -> None:
-        """Grown back to its size before the release: memory-safe again, no longer tracked."""
-        with self._lock:
-            entry = self._live.get(storage._cdata)
-            if entry is not None and storage.nbytes() >= entry[1].nbytes_before:
-                del self._live[storage._cdata]
-
-    def reads_data(self, func) -> bool:
-        known = self._data_ops.get(func)
+    def __call__(self, func) -> tuple[bool, bool, tuple[bool, ...]]:
+        known = self._known.get(func)
         if known is None:
-            known = self._data_ops[func] = not (func.is_view or func.overloadpacket in _NO_DATA_OPS)
+            no_data = func.overloadpacket in _NO_DATA_OPS
+            overwrites = tuple(
+                a.alias_info is not None and a.alias_info.is_write
+                and (a.name.startswith("out") or (i == 0 and func.overloadpacket in OVERWRITE_OPS))
+                for i, a in enumerate(func._schema.arguments)
+            )
+            known = self._known[func] = (no_data, func.is_view, overwrites)
         return known
 
-    def check(self, func, args, kwargs) -> None:
-        """Raise if one of the op's tensor arguments lies (partly) in released memory."""
-        __tracebackhide__ = True  # pytest: the error names everything; show the caller's frames
-        for index, t in enumerate(pytree.tree_leaves((args, kwargs))):
-            if _checkable(t) and (error := self._released(str(func), index, t)) is not None:
-                # A traceback printer that shows frame arguments or locals (pytest does) must not
-                # reach the released tensor through these frames.
-                del t, args, kwargs
-                raise error
 
-    def _released(self, op: str, index: int, t: torch.Tensor) -> ReleasedStorageError | None:
-        storage = t.untyped_storage()
-        entry = self._live.get(storage._cdata)
-        if entry is None:
-            return None
-        needed, nbytes = _needed_bytes(t), storage.nbytes()
-        if nbytes >= needed:
-            return None
-        return ReleasedStorageError(op, index, t, needed, nbytes, entry[1])
+def _arguments(func, args, kwargs, overwrites):
+    """(is it overwritten by the op, value) for every schema argument of one call."""
+    for i, a in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        yield overwrites[i], value
 
 
 class _CheckReleasedStorage(TorchDispatchMode):
-    def __init__(self, sanitizer: StorageSanitizer, resize_storage_bytes) -> None:
+    def __init__(self, sanitizer: StorageSanitizer, resize_storage_bytes, kinds: _OpKinds) -> None:
         super().__init__()
         self.sanitizer = sanitizer
         self.resize_storage_bytes = resize_storage_bytes  # torch.compile / FSDP2's resize op
+        self.kinds = kinds
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -166,48 +106,131 @@ class _CheckReleasedStorage(TorchDispatchMode):
         __tracebackhide__ = True
         kwargs = kwargs or {}
         for t in types:
-            if t not in _PLAIN:
+            if t not in PLAIN:
                 if is_traceable_wrapper_subclass_type(t):  # DTensor & co: let it unwrap first;
                     return NotImplemented  # this mode then sees the ops on its inner tensors
                 return func(*args, **kwargs)  # FakeTensor, FunctionalTensor: no real storage
+        sanitizer = self.sanitizer
         if func is self.resize_storage_bytes:
             storage = args[0].untyped_storage()
-            before = storage.nbytes()
+            before, data_ptr = storage.nbytes(), _data_ptr(storage)
             out = func(*args, **kwargs)
-            _note_resize(self.sanitizer, storage, before)
+            _note_resize(sanitizer, storage, before, data_ptr)
             return out
-        if self.sanitizer._live and self.sanitizer.reads_data(func):
+        if not (sanitizer._live and sanitizer.active):
+            return func(*args, **kwargs)  # the fast path
+        no_data, is_view, overwrites = self.kinds(func)
+        if no_data:
+            return func(*args, **kwargs)
+        if is_view:
             try:
-                self.sanitizer.check(func, args, kwargs)
-            except ReleasedStorageError:
-                args = kwargs = None  # (see check)
+                return func(*args, **kwargs)
+            except RuntimeError:  # torch's bounds check: name the release instead, if it is one
+                self._check(func, args, kwargs, overwrites, reading=False)
                 raise
-        return func(*args, **kwargs)
+        self._check(func, args, kwargs, overwrites, reading=True)
+        out = func(*args, **kwargs)
+        if not any(overwrites):  # a new output: does it reuse released memory?
+            for t in pytree.tree_leaves(out):
+                if checkable(t):
+                    sanitizer.saw_new_memory(t)
+        return out
+
+    def _check(self, func, args, kwargs, overwrites, reading: bool) -> None:
+        __tracebackhide__ = True
+        try:
+            self.sanitizer.check(str(func), _arguments(func, args, kwargs, overwrites),
+                                 reading=reading)
+        except ReleasedStorageError as error:
+            args = kwargs = None  # (see StorageSanitizer.check)
+            raise error from None
 
 
-def _note_resize(sanitizer: StorageSanitizer, storage, before: int) -> None:
+def _data_ptr(storage) -> int | None:
+    """None for a storage without real memory (a fake tensor's, while torch.compile traces)."""
+    try:
+        return storage.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _note_resize(sanitizer: StorageSanitizer, storage, before: int, data_ptr: int | None) -> None:
+    if data_ptr is None:
+        return
     after = storage.nbytes()
     if after < before:
-        sanitizer.record(storage, before, after)
+        sanitizer.record(storage, before, after, data_ptr)
     elif after > before:
         sanitizer.regrown(storage)
 
 
-# Tensor methods that read elements without going through the dispatcher (a repr turns all
-# modes off; tolist and numpy read the memory in C++): guarded while the sanitizer is active.
-_DIRECT_READS = ("__repr__", "tolist", "numpy")
+# Tensor methods that read elements without going through the dispatcher (tolist and numpy
+# read the memory in C++): guarded while the sanitizer is active. A repr turns all modes off:
+# it says what it cannot show instead of raising (pytest prints the arguments of failing
+# frames, so a raising repr would bury the real error).
+_DIRECT_READS = ("tolist", "numpy")
 
 
 def _guarded(sanitizer: StorageSanitizer, name: str, original):
     def guarded(self, *args, **kwargs):
-        if sanitizer._live and _checkable(self):
-            if (error := sanitizer._released(f"Tensor.{name}", 0, self)) is not None:
+        if sanitizer._live and sanitizer.active and checkable(self):
+            if (error := sanitizer.error_for(f"Tensor.{name}", 0, self)) is not None:
                 del self, args, kwargs  # (see StorageSanitizer.check)
                 raise error
         return original(self, *args, **kwargs)
 
     guarded.__name__ = guarded.__qualname__ = name
     return guarded
+
+
+def _guarded_repr(sanitizer: StorageSanitizer, original):
+    def __repr__(self, *args, **kwargs):
+        if sanitizer._live and sanitizer.active and checkable(self):
+            if sanitizer.error_for("Tensor.__repr__", 0, self) is not None:
+                return (f"tensor(<released storage>, size={tuple(self.shape)}, "
+                        f"dtype={self.dtype}, device='{self.device}')")
+        return original(self, *args, **kwargs)
+
+    return __repr__
+
+
+def _checked_triton_launches(sanitizer: StorageSanitizer, original):
+    """``triton.runtime.jit.JITFunction.run``: a launch (``kernel[grid](...)``, also through
+    triton's autotuner) reads its tensor arguments through ``data_ptr()``, which no dispatch mode
+    sees; their memory is checked before the launch instead."""
+    def run(kernel, *args, **kwargs):
+        if sanitizer._live and sanitizer.active:
+            op = f"triton kernel {getattr(kernel, '__name__', type(kernel).__name__)}"
+            for index, t in enumerate((*args, *kwargs.values())):
+                if checkable(t) and (error := sanitizer.error_for(op, index, t)) is not None:
+                    del t, args, kwargs  # (see StorageSanitizer.check)
+                    raise error
+        return original(kernel, *args, **kwargs)
+
+    return run
+
+
+def _triton_patches(sanitizer: StorageSanitizer) -> list:
+    # Only a triton imported already: importing it here would cost every user its import time.
+    jit = sys.modules.get("triton.runtime.jit")
+    cls = getattr(jit, "JITFunction", None)
+    if cls is None or not callable(getattr(cls, "run", None)):
+        return []
+    return [(cls, "run", _checked_triton_launches(sanitizer, cls.run))]
+
+
+def _checked_threads(sanitizer: StorageSanitizer, original, make_mode):
+    """``threading.Thread._bootstrap_inner`` for threads started while the sanitizer is active:
+    what every Thread (subclasses, pool workers) runs first on its new OS thread, so the
+    thread's ops run under a mode of their own. (``threading.setprofile`` would displace a
+    profiler's hook.)"""
+    def _bootstrap_inner(thread):
+        if not sanitizer.active:
+            return original(thread)
+        with make_mode():
+            return original(thread)
+
+    return _bootstrap_inner
 
 
 _MISSING = object()
@@ -217,31 +240,44 @@ _slot = ActiveSlot("storage_sanitizer()")
 @contextlib.contextmanager
 def storage_sanitizer() -> Iterator[StorageSanitizer]:
     """While active, an op that touches a tensor whose storage was released (``resize_`` to
-    fewer bytes than it needs) raises ``ReleasedStorageError`` naming the op, the tensor and
-    the release site. Not reentrant: entering it while it is active raises RuntimeError."""
+    fewer bytes than it needs, or grown back and not yet overwritten) or an alias of the memory
+    it held raises ``ReleasedStorageError`` naming the op, its caller, the tensor and the
+    release site; on the entering thread and on threads started while it is active. Not
+    reentrant: entering it while it is active raises RuntimeError."""
     here = call_site()
     sanitizer = StorageSanitizer()
     _slot.claim(sanitizer, here)
     original = torch.UntypedStorage.resize_
 
     def resize_(storage, size):
-        before = storage.nbytes()
+        before, data_ptr = storage.nbytes(), _data_ptr(storage)
         result = original(storage, size)
-        _note_resize(sanitizer, storage, before)
+        _note_resize(sanitizer, storage, before, data_ptr)
         return result
 
-    patches = [(torch.UntypedStorage, "resize_", resize_)] + [
+    kinds, resize_op = _OpKinds(), _resize_storage_bytes_op()
+
+    def make_mode():
+        return _CheckReleasedStorage(sanitizer, resize_op, kinds)
+
+    patches = [
+        (torch.UntypedStorage, "resize_", resize_),
+        (torch.Tensor, "__repr__", _guarded_repr(sanitizer, torch.Tensor.__repr__)),
+        (threading.Thread, "_bootstrap_inner",
+         _checked_threads(sanitizer, threading.Thread._bootstrap_inner, make_mode)),
+    ] + [
         (torch.Tensor, name, _guarded(sanitizer, name, getattr(torch.Tensor, name)))
         for name in _DIRECT_READS
-    ]
+    ] + _triton_patches(sanitizer)
     saved = []
     try:
         for cls, name, patch in patches:
             saved.append((cls, name, patch, cls.__dict__.get(name, _MISSING)))
             setattr(cls, name, patch)
-        with _CheckReleasedStorage(sanitizer, _resize_storage_bytes_op()):
+        with make_mode():
             yield sanitizer
     finally:
+        sanitizer.active = False
         try:
             _restore(saved)
         finally:

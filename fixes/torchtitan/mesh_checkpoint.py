@@ -23,12 +23,16 @@ Usage::
                context_fn=functools.partial(mesh_preserving_context_fn, policy_fn))  # selective
     mesh_preserving(existing_context_fn)          # wrap any context_fn (e.g. torchtitan's)
     make_checkpoint_wrappers_mesh_preserving(model)  # after torchtitan's ac.apply(model)
+
+Nested non-reentrant checkpoints: a wrapped level carries its mesh into the checkpoints called
+inside it; a wrapped one inside an unwrapped one is refused (fixes.torchtitan.nested_checkpoints).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +41,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
+
+from fixes.torchtitan import nested_checkpoints
 
 __all__ = [
     "make_checkpoint_wrappers_mesh_preserving",
@@ -67,7 +73,24 @@ def _spmd_tls():
 
 def _titan_tls():
     module = sys.modules.get(_TITAN_SPMD_MODULE)
-    return getattr(module, "_MESH_TLS", None) if module is not None else None
+    if module is None:
+        return None
+    tls = getattr(module, "_MESH_TLS", None)
+    if tls is None:
+        # Fail loudly: without it recompute would run without torchtitan's mesh, and its
+        # spmd_redistribute_per_axis skips collectives silently (wrong gradients at TP > 1).
+        raise RuntimeError(
+            f"{_TITAN_SPMD_MODULE} has no _MESH_TLS (torchtitan {_version('torchtitan')}): "
+            "fixes.torchtitan.mesh_checkpoint needs updating for this release"
+        )
+    return tls
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +200,11 @@ class _MeshReentry:
 
     def __enter__(self):
         self._previous.append(self.snapshot.install())
+        nested_checkpoints.carrying.depth += 1  # checkpoints run in recompute: carry it inward
         try:
             return self.inner.__enter__()
         except BaseException:
+            nested_checkpoints.carrying.depth -= 1
             self._previous.pop().restore_raw()
             raise
 
@@ -187,6 +212,7 @@ class _MeshReentry:
         try:
             return self.inner.__exit__(exc_type, exc, tb)
         finally:
+            nested_checkpoints.carrying.depth -= 1
             self._previous.pop().restore_raw()
 
 
@@ -223,6 +249,7 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
         if mesh is None:
             return context_fn
         context_fn = context_fn.__wrapped__  # re-wrap the original with the given mesh
+    nested_checkpoints.install(mesh_preserving, _MARK)
 
     def context_fn_with_mesh():
         forward_ctx, recompute_ctx = context_fn()
@@ -235,7 +262,16 @@ def mesh_preserving(context_fn: ContextFn = noop_context_fn, *, mesh=None) -> Co
         snapshot = _MeshSnapshot.capture() if mesh is None else _MeshSnapshot.of_mesh(mesh)
         if not snapshot.has_mesh:
             return forward_ctx, recompute_ctx
-        return forward_ctx, _MeshReentry(snapshot, recompute_ctx)
+        if nested_checkpoints.inside_unwrapped_checkpoint_forward():
+            raise RuntimeError(
+                "a mesh-preserving checkpoint is nested in a checkpoint that is not "
+                "mesh-preserving: that one's recompute would rerun this forward without the "
+                "spmd mesh. Make the outer level mesh-preserving (mesh_preserving(its "
+                "context_fn), or make_checkpoint_wrappers_mesh_preserving on the model); it "
+                "then carries the mesh into every level inside it"
+            )
+        return (nested_checkpoints.CarryInward(forward_ctx),
+                _MeshReentry(snapshot, recompute_ctx))
 
     setattr(context_fn_with_mesh, _MARK, True)
     context_fn_with_mesh.__wrapped__ = context_fn

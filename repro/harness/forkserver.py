@@ -28,9 +28,29 @@ How a child differs from ``python -c`` / ``python -m`` (none of it matters to a 
 * a child that must import a preloaded package from elsewhere (a Megatron-LM checkout instead
   of the installed megatron-core), or must not find one imported (tests of what happens
   without torchtitan), cannot use the server (or that profile): its caller spawns it;
-* it ends with the Python-level part of interpreter shutdown (non-daemon threads joined,
-  atexit handlers run, output flushed) and ``os._exit``: the C-level teardown of the preloaded
-  modules (~1.4 s) is skipped, so a crash that only module teardown would cause is not seen.
+* it starts with none of the server's atexit handlers (the preloads registered them for the
+  server's state; logging's flush is registered afresh) and ends with the Python-level part of
+  interpreter shutdown (non-daemon threads joined, the atexit handlers it registered run,
+  output flushed) and ``os._exit``: the C-level teardown of the preloaded modules is skipped,
+  so a crash that only module teardown would cause is not seen.
+
+Why not the standard library's (``multiprocessing`` with ``set_start_method("forkserver")``
+and ``set_forkserver_preload``): it also forks from one preloaded, single-threaded process,
+but what it starts is a ``Process`` running a picklable function, not an interpreter run.
+A crash child here needs, per request, what that does not give:
+
+* its own process group, so a timeout kills the child and everything it started (a repro's
+  rank processes); multiprocessing's children stay in the server's group, and its ranks would
+  not be forked by the same server;
+* its own stdout and stderr, captured (the tests match the fault handler's dump and the
+  traceback text); multiprocessing's children write to the server's stdio;
+* ``python -c`` / ``python -m`` semantics: the request's environment, working directory,
+  ``sys.argv``, ``sys.path`` and ``__main__``; multiprocessing's children keep the server's
+  environment and working directory;
+* the exit status a shell sees (negative for a signal) and the child's own atexit handlers
+  run; multiprocessing's children end with ``os._exit`` after the target returns.
+
+Adding those to multiprocessing's server would replace most of it; hence this one.
 
 Protocol. The client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
 the server exits when the client's end closes (the client process ended). A request is one
@@ -42,8 +62,10 @@ the child's process group. Each child gets a connection of its own to the server
 starts (a repro's ranks) is forked there too; every process the server forks lives in the
 server's session, so a rank can join its requester's process group and die with it. The
 server's side (its loop, the supervisor, the child's set-up) is in
-repro.harness.forkserver_process. Linux only (``/proc``); ``STACKFIX_FORKSERVER=0`` turns it off
-(everything is spawned).
+repro.harness.forkserver_process. A server that is not ready within ``_READY_TIMEOUT`` (a
+preload that hangs) is killed with its process group; a RuntimeWarning says why and that
+profile's children are spawned from then on. Linux only (``/proc``); ``STACKFIX_FORKSERVER=0``
+turns it off (everything is spawned).
 """
 
 from __future__ import annotations
@@ -58,7 +80,10 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
+
+from repro.harness.isolated_result import IsolatedResult
 
 ENV = "STACKFIX_FORKSERVER"
 # What a server imports once, by profile: what its children spend their start-up on.
@@ -116,13 +141,25 @@ class _Client:
         mine.settimeout(_READY_TIMEOUT)
         try:
             ready = mine.recv(MAX_MESSAGE)
+        except TimeoutError:
+            ready = None
         except OSError:
             ready = b""
         mine.settimeout(None)
         if ready != b"ready":
             mine.close()
+            # Its session (and process group) has its pid: a preload that hangs, or started
+            # something, is ended with it. Never wait for a server that is still running.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
-            raise OSError(f"fork server did not start: {ready.decode(errors='replace')!r}")
+            if ready is None:
+                why = f"not ready after {_READY_TIMEOUT:g} s (its imports hung?); killed it"
+            else:
+                why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
+            raise OSError(f"fork server (profile {profile!r}) {why}")
         return cls(mine, proc.pid, proc)
 
     def usable(self) -> bool:
@@ -130,6 +167,7 @@ class _Client:
 
 
 _servers: dict[str, _Client] = {}  # the servers this process started, by profile
+_unavailable: dict[str, str] = {}  # profiles whose server failed to start here, and why
 _attached: _Client | None = None  # in a forked child: the server that forked it
 _lock = threading.Lock()
 
@@ -149,7 +187,8 @@ def attached() -> bool:
 def _connected(profile: str) -> _Client | None:
     """In a forked child, its own server (whatever ``profile``: the child has its preloads);
     else this process's server for ``profile``, started on first use (a forked copy of a
-    process that had one starts its own), or None if it cannot start."""
+    process that had one starts its own), or None if it cannot start: then a RuntimeWarning
+    says why, once, and later calls return None at once (the caller spawns)."""
     if profile not in PRELOADS:
         raise ValueError(f"unknown fork server profile {profile!r}; known: {sorted(PRELOADS)}")
     if attached():
@@ -158,10 +197,14 @@ def _connected(profile: str) -> _Client | None:
         client = _servers.get(profile)
         if client is not None and client.usable():
             return client
+        if profile in _unavailable:
+            return None
         try:
             _servers[profile] = client = _Client.start(profile)
-        except OSError:
+        except OSError as exc:
             _servers.pop(profile, None)
+            _unavailable[profile] = str(exc)
+            warnings.warn(f"{exc}; children are spawned instead", RuntimeWarning, stacklevel=3)
             return None
         return client
 
@@ -199,9 +242,7 @@ class Forked:
         if fd == self.status.fileno():
             self.reports = _parse_reports(b"".join(self.chunks[fd]))
 
-    def result(self):
-        from repro.harness.isolated import IsolatedResult
-
+    def result(self) -> IsolatedResult:
         self.status.close()
         out, err = (b"".join(self.chunks[fd]) for fd in (self.out_r, self.err_r))
         if "returncode" not in self.reports:
@@ -252,7 +293,7 @@ def start(
     return Forked(status, out_r, err_r, own_group=not join)
 
 
-def collect(children: Sequence[Forked], timeout: float | None) -> list:
+def collect(children: Sequence[Forked], timeout: float | None) -> list[IsolatedResult]:
     """Read every child's stdout, stderr and exit status until all have ended; those not
     done ``timeout`` seconds after the first started (still running, or their output still
     open in what they started) are killed (``timed_out``), as ``subprocess`` callers here do.
@@ -285,7 +326,7 @@ def collect(children: Sequence[Forked], timeout: float | None) -> list:
 def run(
     kind: str, target: str, args: Sequence[str], env: Mapping[str, str], cwd: str | None,
     timeout: float, profile: str = "torch",
-):
+) -> IsolatedResult | None:
     """One child (``start``) read to its end (``collect``); None when the server cannot take
     it. It leads its own process group: a timeout kills it and what it started."""
     child = start(kind, target, args, env, cwd, profile=profile)

@@ -118,6 +118,7 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     os.setpgid(0, request["group"] or 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     forkserver.attach(conn)  # what it starts is forked by this server too
+    _drop_inherited_atexit_handlers()
     env = request["env"]
     _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
     os.environ.clear()
@@ -151,6 +152,22 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     _shut_down(code)
 
 
+def _drop_inherited_atexit_handlers() -> None:
+    """The child starts with none of the server's atexit handlers: the preloads registered
+    them for the server's own state (wandb, imported by megatron-core, registers
+    TemporaryDirectory cleanups: the first child to exit would delete the server's directory
+    under every later child). multiprocessing's forked children skip them too (they end with
+    os._exit); the handlers a child registers itself run at its exit (``_shut_down``).
+    logging's handler is the exception: it flushes this process's own logging handlers, and a
+    spawned interpreter that imported logging would have it, first registered, so run last."""
+    import atexit
+
+    atexit._clear()
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        atexit.register(logging.shutdown)
+
+
 def _set_torch_threads(env: Mapping[str, str]) -> None:
     """torch's intra-op pool size as a spawned child would have it. OpenMP read the server's
     environment when torch was imported; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
@@ -176,7 +193,7 @@ def _exit_code(code: object) -> int:
 def _shut_down(code: int) -> None:
     """The Python-level steps of interpreter shutdown, then ``os._exit``: non-daemon threads
     joined, atexit handlers run, stdio flushed. The C-level teardown (a full collection and
-    module teardown over every preloaded object, ~1.4 s) is skipped: a child's outcome is
+    module teardown over every preloaded object) is skipped: a child's outcome is
     decided before it."""
     threading._shutdown()  # what Py_FinalizeEx calls first: wait for non-daemon threads
     import atexit

@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Iterator, Sequence
 
-from repro.harness.isolated import IsolatedResult
+from repro.harness.isolated_result import IsolatedResult
 from repro.registry import EXCEPTION_MARKER, ReportedFailure, exception_report, reported_exception
 
 

