@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 import threading
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fixes.sanitize._callsite import ActiveSlot, call_site, describe_site
+from fixes.sanitize._on_import import OnImport
 
 __all__ = ["MeshLostError", "MeshSanitizer", "mesh_sanitizer"]
 
@@ -208,42 +208,6 @@ class _Seam:
                 setattr(module, self.name, self.original)
 
 
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Installs seams on their module when it is imported while the sanitizer is active."""
-
-    def __init__(self, seams_by_module: dict[str, list[_Seam]]):
-        self.seams_by_module = seams_by_module
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.seams_by_module:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _InstallingLoader(spec.loader, self.seams_by_module[fullname])
-                return spec
-        return None
-
-
-class _InstallingLoader(importlib.abc.Loader):
-    def __init__(self, inner, seams: list[_Seam]):
-        self.inner, self.seams = inner, seams
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        for seam in self.seams:
-            seam.install(module)
-
-    def __getattr__(self, name):  # get_source, get_code, ... for tracebacks and inspect
-        return getattr(self.inner, name)
-
-
 _slot = ActiveSlot("mesh_sanitizer()")
 
 
@@ -283,7 +247,7 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
             titan.install(sys.modules[_TITAN_MODULE])
             sanitizer.wrapped.append(titan.label)
         elif importlib.util.find_spec("torchtitan") is not None:
-            hook = _WrapOnImport({_TITAN_MODULE: [titan]})
+            hook = OnImport({_TITAN_MODULE: titan.install})
             sys.meta_path.insert(0, hook)
             sanitizer.wrapped.append(titan.label + " (on import)")
         else:
