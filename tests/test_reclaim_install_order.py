@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.checkpoint as tcp
+from verl_megatron import DEVICES, need_verl_on_megatron
 
 from fixes.megatron import apply_recompute_reclaim_patch, remove_recompute_reclaim_patch
 from fixes.megatron.pristine import is_pristine, pristine_backward
 from fixes.megatron.reclaim import installed_reclaim, reset_backward
 from repro import run_isolated
-from repro.verl_release import missing_release
 
 TARGET = tcp.CheckpointFunction
 REPO = Path(__file__).parent.parent
@@ -113,14 +113,7 @@ def test_the_recovered_backward_is_the_modules_own_code():
 
 # --- verl's released patch on megatron-core (CPU; CUDA in the gpu run) -------------------------
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _need(version: str) -> None:
-    pytest.importorskip("megatron.core", reason="megatron-core not installed")
-    why = missing_release(version)
-    if why is not None:
-        pytest.skip(why)
+_need = need_verl_on_megatron
 
 
 def _verl_order_child(version: str, device: str, order: str):

@@ -12,19 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from verl_megatron import DEVICES, need_verl_on_megatron
 
 from repro import run_isolated
-from repro.verl_release import missing_release, release_dir
+from repro.verl_release import release_dir
 
 REPO = Path(__file__).parent.parent
-DEVICES = [pytest.param("cpu", marks=pytest.mark.cpu), pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _need(version: str) -> None:
-    pytest.importorskip("megatron.core", reason="megatron-core not installed")
-    why = missing_release(version)
-    if why is not None:
-        pytest.skip(why)
+_need = need_verl_on_megatron
 
 
 def _child(code: str, timeout: float = 300):
