@@ -38,7 +38,9 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -88,35 +90,68 @@ def _shared_view_step(model, x, checkpoint, make_viewless) -> int:
     return ref
 
 
-def _reclaim_scenario(late: bool) -> None:
-    import verl  # noqa: F401 - loads the plugin, or not (the environment decides)
+@dataclass
+class SharedViewCase:
+    """The shared-view graph on megatron-core, its no-reclaim reference already taken."""
+
+    device: str
+    model: torch.nn.Module
+    x: torch.Tensor
+    checkpoint: Callable
+    make_viewless: Callable
+    reference: dict
+    leaked_without_reclaim: bool  # megatron's own backward: the leak keeps the storage
+
+
+def shared_view_case(device: str) -> SharedViewCase:
+    """megatron set up on ``device`` (world size 1), the graph built, one step with megatron's
+    own backward (no reclaim) for the reference grads. Call before any reclaim is installed."""
     from megatron.core.utils import make_viewless_tensor
 
     from repro.shared_view_reclaim import (
         SharedViewConfig,
         SharedViewModel,
-        _check_against_reference,
         _grads,
         megatron_mtp_checkpoint,
         setup_megatron,
     )
 
-    setup_megatron("cpu")
+    setup_megatron(device)
     cfg = SharedViewConfig()
     torch.manual_seed(cfg.seed)
-    model = SharedViewModel(cfg)
-    x = torch.randn(cfg.seq_len, cfg.hidden)
-    checkpoint = megatron_mtp_checkpoint("bound-method")
+    model = SharedViewModel(cfg).to(device)
+    x = torch.randn(cfg.seq_len, cfg.hidden, device=device)
 
     def make_viewless(t):
         return make_viewless_tensor(inp=t, requires_grad=True, keep_graph=True)
 
-    # Reference: megatron's own backward (no reclaim). The leak keeps the storage alive.
-    ref = _shared_view_step(model, x, checkpoint, make_viewless)
-    reference, leaked_without_reclaim = _grads(model), not _storage_freed(ref)
+    # bound-method: megatron-core 0.16.1's MTP checkpoint; verl 0.9.1's MTP skip misses it
+    case = SharedViewCase(device, model, x, megatron_mtp_checkpoint("bound-method"),
+                          make_viewless, {}, False)
+    ref = _shared_view_step(model, x, case.checkpoint, make_viewless)
+    case.reference, case.leaked_without_reclaim = _grads(model), not _storage_freed(ref)
     model.zero_grad(set_to_none=True)
     model.mtp.leak.clear()
+    return case
 
+
+def shared_view_check(case: SharedViewCase) -> dict:
+    """One step with whatever reclaim is installed (unfixed: SIGSEGV on CPU, an illegal memory
+    access on CUDA); WrongResult if the grads differ from the reference."""
+    from repro.shared_view_reclaim import _check_against_reference, _grads
+
+    ref = _shared_view_step(case.model, case.x, case.checkpoint, case.make_viewless)
+    if case.device == "cuda":
+        torch.cuda.synchronize()  # an asynchronous CUDA fault surfaces here
+    _check_against_reference(_grads(case.model), case.reference)
+    return {"grads_equal": True, "leaked_without_reclaim": case.leaked_without_reclaim,
+            "freed": _storage_freed(ref)}
+
+
+def _reclaim_scenario(late: bool) -> None:
+    import verl  # noqa: F401 - loads the plugin, or not (the environment decides)
+
+    case = shared_view_case("cpu")
     # As verl's Megatron engine __init__ does it, at call time from the module.
     from verl.models.mcore.patch import apply_patch_megatron_recomputation_backward
 
@@ -127,11 +162,8 @@ def _reclaim_scenario(late: bool) -> None:
     installed = _installed_reclaim()
     print(f"reclaim installed: {installed!r} (before a late plugin: {before_plugin!r})",
           flush=True)
-    ref = _shared_view_step(model, x, checkpoint, make_viewless)  # unfixed: SIGSEGV here
-    _check_against_reference(_grads(model), reference)
-    _report(installed=installed, before_plugin=before_plugin, plugin=_plugin_state(),
-            leaked_without_reclaim=leaked_without_reclaim, freed=_storage_freed(ref),
-            grads_equal=True)
+    got = shared_view_check(case)  # unfixed: SIGSEGV here
+    _report(installed=installed, before_plugin=before_plugin, plugin=_plugin_state(), **got)
 
 
 # --- Ray ----------------------------------------------------------------------------------------
