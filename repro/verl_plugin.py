@@ -25,6 +25,9 @@ Every scenario prints one ``RESULT {json}`` line the test reads.
 * ``mtp-import`` (crash 3, the wiring): ``import verl.models.mcore.mtp_patch``; reports whether
   megatron's ``GPTModel._postprocess`` forwards ``mhc_multistream`` (0.8.0: patched; 0.9.1:
   left alone).
+* ``mtp-dev`` (crash 3): verl's ``patch_postprocess(model)`` on Megatron-LM dev's mHC + MTP GPT
+  (the checkout ``STACKFIX_MEGATRON_LM`` names; repro/mtp_shape_megatron_dev.py's model and
+  checks). Unfixed on verl 0.8.0: ``TypeError: ... unexpected keyword argument 'padding_mask'``.
 
 On CPU megatron-core runs through repro/harness/megatron_cpu.py's RNG and stream shims.
 """
@@ -45,7 +48,7 @@ from types import SimpleNamespace
 
 import torch
 
-SCENARIOS = ("reclaim", "reclaim-late", "ray", "torchtitan-engine", "mtp-import")
+SCENARIOS = ("reclaim", "reclaim-late", "ray", "torchtitan-engine", "mtp-import", "mtp-dev")
 VERL_PATCH = "verl.models.mcore.patch"
 VERL_FUNCTION = "apply_patch_megatron_recomputation_backward"
 
@@ -338,6 +341,37 @@ def _mtp_import_scenario() -> None:
     _report(forwards=is_mtp_postprocess_patched(mtp_patch.GPTModel), plugin=_plugin_state())
 
 
+def _mtp_dev_scenario() -> None:
+    """verl's ``patch_postprocess(model)`` (real ``import verl``) on Megatron-LM dev's mHC + MTP
+    GPT (``STACKFIX_MEGATRON_LM``), checked as repro.mtp_shape_megatron_dev checks it: the MTP
+    depth reads the decoder's streams, MTP loss and grads equal dev's own postprocess."""
+    from repro.mtp_shape_megatron_dev import (
+        DevMTPConfig,
+        build_dev_gpt,
+        check_matches_reference,
+        check_reads_the_streams,
+        make_batch,
+        setup_dev_megatron,
+        train_step,
+    )
+
+    cfg = DevMTPConfig()
+    setup_dev_megatron("cpu")  # the dev checkout first on sys.path, before verl imports megatron
+    import verl  # noqa: F401 - loads the plugin, or not
+
+    model = build_dev_gpt(cfg, "cpu")
+    batch = make_batch(cfg, "cpu")
+    reference = train_step(model, batch)  # dev's own postprocess, nothing of verl imported yet
+    from verl.models.mcore import mtp_patch  # the plugin's hook patches GPTModel here
+
+    mtp_patch.patch_postprocess(model)  # as verl's Megatron engine does per model
+    got = train_step(model, batch)  # verl 0.8.0 unfixed: TypeError (padding_mask)
+    check_reads_the_streams(got, cfg)
+    check_matches_reference(got, reference, cfg)
+    _report(depth_input=list(got.depth_input.shape), mtp_grads=len(got.mtp_grads),
+            plugin=_plugin_state())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.verl_plugin")
     parser.add_argument("scenario", choices=SCENARIOS)
@@ -348,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         _ray_scenario()
     elif args.scenario == "torchtitan-engine":
         _torchtitan_engine_scenario()
-    else:
+    elif args.scenario == "mtp-import":
         _mtp_import_scenario()
+    else:
+        _mtp_dev_scenario()
     return 0
 
 

@@ -454,3 +454,19 @@ def test_gpu_verl091_engine_order_with_the_plugin_runs_clean_and_frees_the_moe_l
     # leak), as the alias-aware reclaim does when installed directly (README: 192.8 vs 256.8
     # MiB at this size on the H200).
     assert got["moe"]["installed"]["kept_mib"] < got["moe"]["none"]["kept_mib"]
+
+
+@pytest.mark.cpu
+@need_verl
+@pytest.mark.parametrize("fixed", [False, True], ids=["unfixed", "fixed"])
+def test_verl_patch_postprocess_on_megatron_lm_dev_mhc_mtp(fixed):
+    if not os.environ.get("STACKFIX_MEGATRON_LM"):
+        pytest.skip("STACKFIX_MEGATRON_LM is unset (a Megatron-LM dev checkout, see README)")
+    done = _scenario("mtp-dev", _fixed_env() if fixed else _unfixed_env())
+    if VERL == "0.8.0" and not fixed:
+        assert done.returncode == 1, done.describe()
+        assert "TypeError" in done.stderr and "unexpected keyword argument 'padding_mask'" in (
+            done.stderr)
+        return
+    got = _result(done)  # the MTP depth read the streams; MTP loss and grads equal dev's own
+    assert got["depth_input"][-1] == 2 * 64 and got["mtp_grads"] > 0
