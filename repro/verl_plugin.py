@@ -192,7 +192,7 @@ def _ray_scenario() -> None:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         worker = VerlWorker.remote()
-        got = ray.get(worker.report.remote(), timeout=240)
+        got = ray.get(worker.report.remote(), timeout=180)
     finally:
         ray.shutdown()
     got["driver_pid"] = os.getpid()
