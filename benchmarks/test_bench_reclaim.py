@@ -6,10 +6,15 @@ strategies."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import _reclaim
 from benchmarks._bench import DEVICE_PARAMS, record
+from fixes.megatron.reclaim import placeholder_nbytes
 from repro import Skipped
+
+# what the reclaim allocates itself, once per process: the fp32 placeholder of detached copies
+PLACEHOLDER = placeholder_nbytes(torch.float32)
 
 SCENARIO = "recompute-reclaim/{}"
 
@@ -72,12 +77,13 @@ def test_every_reclaim_releases_the_leak(figure_book, variant, device):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_matches_unsafe_after_backward_without_aliasing(figure_book, device):
-    """No shared storage: the alias-aware reclaim ends the backward with exactly what verl's
-    reclaim leaves (and verl's MTP skip, with no MTP layer, is verl's reclaim)."""
+    """No shared storage: the reclaim ends the backward with exactly what verl's
+    reclaim leaves, but for the one-element placeholder it allocates once per process (and
+    verl's MTP skip, with no MTP layer, is verl's reclaim)."""
     unsafe = book_figures(figure_book, "plain", "unsafe", device)
     ours = book_figures(figure_book, "plain", "ours", device)
     skip = book_figures(figure_book, "plain", "mtp-skip", device)
-    assert ours["end_of_backward_bytes"] == unsafe["end_of_backward_bytes"]
+    assert ours["end_of_backward_bytes"] - unsafe["end_of_backward_bytes"] in (0, PLACEHOLDER)
     assert skip == unsafe
 
 
@@ -86,18 +92,20 @@ def test_ours_matches_unsafe_peak_without_aliasing(figure_book, device):
     """And no higher a peak (equal to the byte on CPU): the grads it hands back are not kept
     alive by the leaked detached input's .grad slot (fixes.megatron.reclaim drops that slot;
     verl clones the grad and frees the leaked one). ``<=`` rather than ``==`` because verl's
-    clone is an extra allocation the CUDA allocator may count at the peak."""
+    clone is an extra allocation the CUDA allocator may count at the peak; ours may count its
+    one-element placeholder (``placeholder_nbytes``) if this step allocated it."""
     unsafe = book_figures(figure_book, "plain", "unsafe", device)
     ours = book_figures(figure_book, "plain", "ours", device)
-    assert ours["peak_bytes"] <= unsafe["peak_bytes"]
+    assert ours["peak_bytes"] <= unsafe["peak_bytes"] + PLACEHOLDER
     if device == "cpu":
-        assert ours["peak_bytes"] == unsafe["peak_bytes"]
+        assert ours["peak_bytes"] - unsafe["peak_bytes"] in (0, PLACEHOLDER)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_ends_below_mtp_skip_with_chunked_input(figure_book, device):
     """Chunked MTP input: verl's skip gives up the MTP checkpoint's memory (its leaked input
-    holds the whole two-stream storage); ours releases it at the end of the backward pass."""
+    holds the whole two-stream storage); ours lets the leaked copy go, so the storage goes after
+    its last reader."""
     skip = book_figures(figure_book, "chunked-mtp", "mtp-skip", device)
     ours = book_figures(figure_book, "chunked-mtp", "ours", device)
     assert ours["end_of_backward_bytes"] < skip["end_of_backward_bytes"]
@@ -105,7 +113,7 @@ def test_ours_ends_below_mtp_skip_with_chunked_input(figure_book, device):
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_peaks_no_higher_than_mtp_skip_with_chunked_input(figure_book, device):
-    """Safety costs no peak memory over verl's skip: the aliased storage is only deferred."""
+    """Safety costs no peak memory over verl's skip: nothing is freed early, only let go."""
     skip = book_figures(figure_book, "chunked-mtp", "mtp-skip", device)
     ours = book_figures(figure_book, "chunked-mtp", "ours", device)
     assert ours["peak_bytes"] <= skip["peak_bytes"]

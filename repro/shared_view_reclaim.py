@@ -13,9 +13,12 @@ The graph, as small as it gets, with the shape of verl's mHC + MTP crash:
 
 Unfixed: a reclaim that calls ``resize_(0)`` on every requires-grad checkpoint input frees ``h``'s
 storage in step 4; ``MulBackward`` then reads a null pointer: SIGSEGV on CPU, "an illegal memory
-access" on CUDA. Fixed: the alias-aware reclaim (``fixes.megatron.apply_recompute_reclaim_patch``)
-defers the shared storage to the end of the backward pass; the oracle (WrongResult otherwise)
-checks every gradient against a run with no reclaim and that the shared input was deferred.
+access" on CUDA. Fixed: the reclaim (``fixes.megatron.apply_recompute_reclaim_patch``) detaches
+the checkpoint's leaked copy of the input and resizes nothing, so ``h``'s storage goes when
+``MulBackward`` has read it; the oracle (WrongResult otherwise) checks every gradient against a
+run with no reclaim, that the copy was detached, and that ``h``'s memory is gone after the step.
+The ``-verl`` repros install the fix the way it meets verl in a verl process: verl's released
+reclaim first (its Megatron engine's init), then ours, which replaces it.
 
 Repros (the unfixed reclaim of the ``-verl`` ones is verl's released code, ``repro.verl_release``):
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -87,14 +91,15 @@ class SharedViewConfig:
 def _resize_all(backward: Callable) -> Callable:
     """verl's reclaim mechanism on any reentrant checkpoint: after the backward, ``resize_(0)``
     each requires-grad recompute input and its grad, handing back clones of the grads."""
-    from fixes.megatron.reclaim import call_observing_inputs, tensor_args
+    from fixes.megatron.reclaim import call_observing_inputs, emit
 
     @functools.wraps(backward)
     def resize_all_backward(ctx, *grad_outputs):
         result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
         result = tuple(g.clone() if isinstance(g, torch.Tensor) else g for g in result)
-        for t in tensor_args(recompute_args):
-            if t.requires_grad:
+        for t in recompute_args or ():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                emit("released", "input", t)
                 t.untyped_storage().resize_(0)
                 if t.grad is not None:
                     t.grad.untyped_storage().resize_(0)
@@ -103,46 +108,47 @@ def _resize_all(backward: Callable) -> Callable:
     return resize_all_backward
 
 
-# target class -> (verl version, the backward verl's patch replaced); verl's patch cannot be undone
-_verl_installed: dict[type, tuple[str, staticmethod]] = {}
-
-
 def _megatron_checkpoint_function() -> type:
     from megatron.core.tensor_parallel import random as mrandom
 
     return mrandom.CheckpointFunction
 
 
-def _install_verl(version: str, target: type) -> None:
-    """verl ``version``'s ``apply_patch_megatron_recomputation_backward``, as released."""
+def install_verl_reclaim(version: str) -> None:
+    """verl ``version``'s ``apply_patch_megatron_recomputation_backward``, as released and as
+    its Megatron engine calls it (it assigns megatron-core's ``CheckpointFunction.backward``)."""
     from repro.verl_release import import_verl
 
-    if target is not _megatron_checkpoint_function():
-        raise ValueError("verl's reclaim patches megatron-core's CheckpointFunction only")
-    patch = import_verl(version, "verl.models.mcore.patch")
-    _verl_installed[target] = (version, target.__dict__["backward"])
-    patch.apply_patch_megatron_recomputation_backward()
+    import_verl(version, "verl.models.mcore.patch").apply_patch_megatron_recomputation_backward()
 
 
-def install_reclaim(variant: str, target: type | None = None) -> None:
+def install_reclaim(variant: str, target: type | None = None, over: str | None = None) -> None:
     """Install one reclaim variant (``VARIANTS``) on ``target`` (megatron's CheckpointFunction
-    when None), after removing whichever is installed; ``none`` only removes."""
+    when None), after putting the module's own backward back; ``none`` only does that.
+
+    ``over``: a verl variant installed first, as verl's Megatron engine installs it in its
+    init; ``variant`` then meets it as it would in a verl process (ours replaces it)."""
     from fixes.megatron import reclaim
 
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown reclaim variant {variant!r}; allowed: {VARIANTS}")
+    for name in (variant, over or "none"):
+        if name not in VARIANTS:
+            raise ValueError(f"unknown reclaim variant {name!r}; allowed: {VARIANTS}")
+    if over is not None and over not in VERL_RECLAIMS:
+        raise ValueError(f"over= takes a verl reclaim, one of {tuple(VERL_RECLAIMS)}; got {over!r}")
     target = _megatron_checkpoint_function() if target is None else target
-    if target in _verl_installed:
-        target.backward = _verl_installed.pop(target)[1]
-    kind = reclaim.installed_reclaim(target)
-    if kind is not None and kind != variant:
-        reclaim.uninstall_backward_wrapper(kind, target)
-    if variant in VERL_RECLAIMS:
-        _install_verl(VERL_RECLAIMS[variant], target)
-    elif variant == "resize-all":
-        reclaim.install_backward_wrapper("resize-all", _resize_all, target)
-    elif variant == "alias-aware":
-        reclaim.apply_recompute_reclaim_patch(target)
+    reclaim.reset_backward(target)
+    for name in (over, variant):
+        if name in VERL_RECLAIMS:
+            if target is not _megatron_checkpoint_function():
+                raise ValueError("verl's reclaim patches megatron-core's CheckpointFunction only")
+            install_verl_reclaim(VERL_RECLAIMS[name])
+        elif name == "resize-all":
+            reclaim.install_backward_wrapper("resize-all", _resize_all, target)
+        elif name == "alias-aware":
+            with warnings.catch_warnings():
+                if over is not None:  # "replaced verl's backward": what this order is about
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                reclaim.apply_recompute_reclaim_patch(target)
 
 
 # --- the graph ----------------------------------------------------------------------------------
@@ -198,15 +204,25 @@ def shared_view_step(
     x: torch.Tensor,
     checkpoint: Callable[..., torch.Tensor],
     make_viewless: Callable[[torch.Tensor], torch.Tensor],
-) -> None:
+):
     """Forward + backward of the graph in the module docstring (grads land in ``model``);
-    ``checkpoint(mtp_layer, part)`` runs the MTP layer under a reentrant checkpoint."""
+    ``checkpoint(mtp_layer, part)`` runs the MTP layer under a reentrant checkpoint. Returns a
+    weak reference to ``h``'s storage (``storage_gone`` tells whether its memory went)."""
     h = model.proj(x)
+    weak_h = h.untyped_storage()._weak_ref()
     contract = h * model.mix
     part = make_viewless(torch.chunk(h, 2, dim=-1)[1])
     mtp = checkpoint(model.mtp, part)
     del h, part  # as in a real model: only autograd holds them now
     (contract.sum() + mtp.square().mean()).backward()
+    return weak_h
+
+
+def storage_gone(weak_storage) -> bool:
+    """Has the storage behind ``weak_storage`` been freed (or shrunk to nothing)?"""
+    if torch.UntypedStorage._expired(weak_storage):
+        return True
+    return torch.UntypedStorage._new_with_weak_ptr(weak_storage).nbytes() == 0
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -227,9 +243,11 @@ def _run(
     checkpoint: Callable,
     make_viewless: Callable,
     cfg: SharedViewConfig = SharedViewConfig(),
+    over: str | None = None,
 ) -> None:
-    """The step with no reclaim (the reference), then with ``variant``: grads must match; the
-    alias-aware reclaim must also have deferred the shared input."""
+    """The step with no reclaim (the reference), then with ``variant`` (installed ``over`` a
+    verl reclaim when given): grads must match; the fix must also have let the leak go — the
+    shared storage freed by the end of the backward, no storage resized."""
     from fixes.megatron import recompute_reclaim_events
 
     torch.manual_seed(cfg.seed)
@@ -242,20 +260,22 @@ def _run(
     model.zero_grad(set_to_none=True)
     model.mtp.leak.clear()
 
-    install_reclaim(variant, target)
+    install_reclaim(variant, target, over=over)
     with recompute_reclaim_events() as events:
-        shared_view_step(model, x, checkpoint, make_viewless)
+        weak_h = shared_view_step(model, x, checkpoint, make_viewless)
         if device == "cuda":
             torch.cuda.synchronize()  # surface an asynchronous CUDA fault here
     install_reclaim("none", target)
     _check_against_reference(_grads(model), reference)
     if variant == "alias-aware":
-        # The shared chunk view waits for its last reader, then its memory is released even
-        # though the leaked recompute graph still holds it.
-        inputs = [e.action for e in events if e.role == "input"]
+        # The leaked recompute graph held the chunk view's detached copy: the reclaim let it
+        # go, so the shared storage went when its last reader (the contraction) had run.
         print("reclaim events:", " ".join(f"{e.role}:{e.action}" for e in events), flush=True)
-        if inputs != ["deferred", "released-deferred"]:
-            raise WrongResult(f"the shared chunk view was not deferred, then released: {inputs}")
+        inputs = [e.action for e in events if e.role == "input"]
+        if inputs != ["detached"]:
+            raise WrongResult(f"the leaked chunk view's copy was not detached: {inputs}")
+        if not storage_gone(weak_h):
+            raise WrongResult("the shared storage outlived the backward: the leak kept it")
 
 
 def run_torch(fixed: bool, device: str) -> None:
@@ -346,24 +366,26 @@ def megatron_mtp_checkpoint(form: str) -> Callable[..., torch.Tensor]:
 
 
 def run_verl(version: str, mtp_checkpoint: str, fixed: bool, device: str) -> None:
-    """The graph through megatron-core, unfixed: verl ``version``'s released reclaim; fixed: the
-    alias-aware reclaim instead (verl not needed). Skipped (repro.Skipped) where the verl
+    """The graph through megatron-core, unfixed: verl ``version``'s released reclaim; fixed:
+    the same installed first, then the fix over it. Skipped (repro.Skipped) where the verl
     release is not installed (``python -m repro.verl_release install``)."""
     from megatron.core import tensor_parallel
     from megatron.core.utils import make_viewless_tensor
 
     from repro.verl_release import require_release
 
-    if not fixed or mtp_checkpoint == "verl-run":
-        require_release(version)
+    require_release(version)
     setup_megatron(device)
 
     def make_viewless(t):
         return make_viewless_tensor(inp=t, requires_grad=True, keep_graph=True)
 
+    # Fixed: in the order of a verl process -- verl's reclaim installed first (its engine's init),
+    # then ours, which replaces it.
     variant = "alias-aware" if fixed else f"verl-{version}"
     _run(variant, device, tensor_parallel.random.CheckpointFunction,
-         megatron_mtp_checkpoint(mtp_checkpoint), make_viewless)
+         megatron_mtp_checkpoint(mtp_checkpoint), make_viewless,
+         over=f"verl-{version}" if fixed else None)
 
 
 def run_megatron_mtp(fixed: bool, device: str) -> None:

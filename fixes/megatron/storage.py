@@ -1,12 +1,14 @@
-"""Who else holds a tensor's memory? ``is_storage_exclusive`` answers it before a reclaim frees it.
+"""Who else holds a tensor's memory? ``is_storage_exclusive`` answers it for tools that must know
+(the storage sanitizer, users auditing a ``resize_(0)``); ``python_refs_beyond`` counts Python
+references for the reclaim.
 
-Why: verl's recompute reclaim (verl #5251, the workaround for Megatron-LM #3221) calls
-``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)`` frees the *storage*,
-so every tensor sharing it loses its memory: views, ``torch.chunk`` pieces, and the ``.data``
-aliases that megatron's ``make_viewless_tensor`` builds (``_base`` is None, the storage is still
-shared, so a ``_base``-based test misses it). When one of those belongs to an autograd node whose
-backward has not run yet, that node reads freed memory (verl #7328: SIGSEGV on CPU, CUDA illegal
-memory access on GPU).
+Why it matters: verl's recompute reclaim (verl #5251, the workaround for Megatron-LM #3221)
+calls ``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)`` frees the
+*storage*, so every tensor sharing it loses its memory: views, ``torch.chunk`` pieces, and the
+``.data`` aliases that megatron's ``make_viewless_tensor`` builds (``_base`` is None, the storage
+is still shared, so a ``_base``-based test misses it). When one of those belongs to an autograd
+node whose backward has not run yet, that node reads freed memory (verl #7328: SIGSEGV on CPU,
+CUDA illegal memory access on GPU). stackfix's own reclaim never resizes a storage.
 
 How, at two levels:
 
@@ -37,7 +39,7 @@ import torch
 __all__ = ["is_storage_exclusive", "python_refs_beyond", "storage_key"]
 
 # ``Tensor._use_count`` (the TensorImpl's reference count): without it no holder can be counted,
-# so no storage is inspectable and every answer here is the safe one.
+# so no storage is inspectable, the reclaim detaches nothing, and every answer is the safe one.
 COUNTS_TENSOR_HOLDERS = hasattr(torch.Tensor, "_use_count")
 
 
@@ -71,7 +73,7 @@ def is_storage_exclusive(
     * ``tensor`` itself must not be held by anyone but its Python object: an autograd node that
       saved it, its ``AccumulateGrad`` node (leaves that require grad), or a view's base pointer
       are readers the storage count cannot see. ``saved_refs`` is the number of such C++ holders
-      the caller accounts for (the reclaim passes 1: the checkpoint's own saved slot).
+      the caller accounts for (a checkpoint's own saved slot, say).
     * ``owners`` are tensors whose holders are the caller's own (e.g. a checkpoint's private
       detached copies): they may share the storage and nobody's references to them count.
       Owners on another storage are ignored.
@@ -87,12 +89,6 @@ def is_storage_exclusive(
             raise TypeError(f"owners must be torch.Tensors, got {type(o).__name__}")
     if not isinstance(saved_refs, int) or saved_refs < 0:
         raise ValueError(f"saved_refs must be an int >= 0, got {saved_refs!r}")
-    return exclusive_unchecked(tensor, owners, saved_refs)
-
-
-def exclusive_unchecked(tensor: torch.Tensor, owners: tuple, saved_refs: int) -> bool:
-    """:func:`is_storage_exclusive` without its argument checks, for callers on a hot path
-    that pass a tensor, a tuple of tensors and an int >= 0 (the reclaim, per checkpoint)."""
     if not _has_inspectable_storage(tensor):
         return False
 
