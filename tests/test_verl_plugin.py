@@ -405,6 +405,10 @@ from benchmarks.megatron_scale import MIB, Cell, _measure
 from repro.shared_view_reclaim import install_reclaim
 from megatron.core.tensor_parallel.random import CheckpointFunction
 moe = {}
+# A discarded first measurement: the process's one-time CUDA allocations (cuBLAS workspace,
+# megatron's buffers) would otherwise count as kept by whichever cell is measured first (H200:
+# 129.6 MiB "kept" for the first cell vs 65.0 for the second, the reclaim the same).
+_measure(Cell("moe", "warm-up", "allgather", 1024, 2048, "fp32", "cuda"), steps=1)
 for label in ("installed", "none"):
     if label == "none":
         install_reclaim("none", CheckpointFunction)
@@ -451,12 +455,18 @@ def test_gpu_verl091_engine_order_with_the_plugin_runs_clean_and_frees_the_moe_l
     assert got["moe"]["installed"]["kept_mib"] < got["moe"]["none"]["kept_mib"]
     # ... and equal (the gate's 0.5%) to what the bench measured for the reclaim installed
     # directly on the H200 (benchmarks/baselines/gpu-h200.json).
+    # What the reclaim frees (none - installed) equals what it frees installed directly in the
+    # bench on the H200 (benchmarks/baselines/gpu-h200.json), within the CUDA allocator's block
+    # slack. Differences, not absolute figures: the bench measures a first step, whose "kept"
+    # also counts the parameters' first .grad allocations; this child measures after a warm-up.
     if "H200" in got["gpu"]:
         baseline = json.loads((REPO / "benchmarks" / "baselines" / "gpu-h200.json").read_text())
-        ours = next(b["extra_info"] for b in baseline["benchmarks"]
-                    if b["name"] == "test_megatron_scale[moe-1024x2048-fp32-ours-cuda]")
+        bench = {b["name"]: b["extra_info"] for b in baseline["benchmarks"]}
+        cell = "test_megatron_scale[moe-1024x2048-fp32-{}-cuda]"
         for key in ("retained_bytes", "peak_bytes"):
-            assert got["moe"]["installed"][key] == pytest.approx(ours[key], rel=0.005), key
+            freed = got["moe"]["none"][key] - got["moe"]["installed"][key]
+            bench_freed = bench[cell.format("none")][key] - bench[cell.format("ours")][key]
+            assert abs(freed - bench_freed) <= 2 * 2**20, (key, freed, bench_freed)
 
 
 @pytest.mark.cpu
