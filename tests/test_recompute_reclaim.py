@@ -102,7 +102,7 @@ def _segment(graph, seg, holders):
             if graph["cycle"]:
                 PythonCycle(inputs[0])
             if graph["collect"]:
-                gc.collect()  # what is reachable now is promoted to the oldest generation
+                gc.collect(1)  # what is reachable now is promoted to the oldest generation
         return out
 
     if not graph["nested"]:
@@ -186,7 +186,8 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     reference = _grads(params)
     cached_ref = [t.detach().clone() for t in holders.cache]
     holders.clear()
-    gc.collect()
+    if graph["cycle"]:
+        gc.collect()  # the reference run's cycles (a full collection: they may have been promoted)
 
     apply_recompute_reclaim_patch(TARGET)
     try:
@@ -217,7 +218,8 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     # 4. The leak's memory: gone once no real reader remains (a cycle: once collected). A copy
     # kept for a reader that held it at the checkpoint's backward (a side result, a cycle not yet
     # collected) stays with the leak until the leak goes (the module's next forward).
-    gc.collect()
+    if graph["cycle"]:
+        gc.collect()  # full: a cycle promoted to the oldest generation goes only with it
     read_at_backward = graph["side"] or (graph["cycle"] and not graph["collect"])
     if not (kept or graph["cache"] or (graph["leak"] and read_at_backward)):
         assert storage_gone(weak_h), f"the leak kept memory no reader holds: {events}"
