@@ -20,8 +20,11 @@ import os
 import shutil
 import sys
 
-from repro.registry import DEVICES, discover
-from repro.runner import ReproOutcome, run_repro
+# Only torch-free modules here: --help, --list and bad arguments answer from repro/catalog.json
+# without importing a repro module (tests/test_cli_imports.py checks sys.modules).
+from repro import catalog
+from repro.registry import DEVICES, find
+from repro.runner import ReproOutcome, run_repro, skip_reason, skipped_outcome
 
 TABLE_WIDTH = 120  # the detail column is cut to fit; --json keeps every message whole
 _HEADER = ["repro", "device", "unfixed", "fixed", "secs", "detail"]
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device not in DEVICES:
         print(f"error: unknown device {args.device!r}; allowed: {', '.join(DEVICES)}", file=sys.stderr)
         return 2
-    repros = discover()
+    repros = catalog.load()
     if args.list:
         for r in repros.values():
             print(f"{r.name:34} [{','.join(r.devices)}] {r.summary}")
@@ -136,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
     outcomes = []
     for name in names:
-        o = run_repro(repros[name], args.device, sanitized=args.sanitize)
+        entry = repros[name]
+        if (reason := skip_reason(entry, args.device)) is not None:
+            o = skipped_outcome(name, args.device, reason, args.sanitize)  # no import, no child
+        else:
+            o = run_repro(find(name, entry.module), args.device, sanitized=args.sanitize)
         outcomes.append(o)
         print(f"[{o.status}] {name} ({args.device}{', sanitized' if args.sanitize else ''})",
               file=sys.stderr, flush=True)
