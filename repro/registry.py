@@ -177,7 +177,7 @@ class Repro:
 
 
 # The runner's own modules (and the ``harness`` package, skipped as a package): no repros there.
-_RUNNER_MODULES = frozenset({"catalog", "child", "registry", "runner"})
+_RUNNER_MODULES = frozenset({"catalog", "child", "registry", "runner", "testing"})
 
 
 def discover() -> dict[str, Repro]:
