@@ -4,6 +4,7 @@ an inner pytest (a child process), found through the installed ``stackfix-testin
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -55,13 +56,16 @@ def test_originals_are_back_after_the_fixtures():
 
 
 def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
-    pytest.importorskip("megatron.core")
+    # Nothing heavy is imported here: pytester drops the modules a test imports afterwards, and
+    # torch.distributed cannot be imported twice in one process.
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed")
     pytester.makepyfile(test_user=_USER_TESTS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")  # in file order
-    import torch
-
-    cuda = torch.cuda.is_available()  # then the no-helper case skips: nothing to shim
-    result.assert_outcomes(passed=3 + (not cuda), skipped=int(cuda))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rs")  # file order
+    outcomes = result.parseoutcomes()
+    # With CUDA present the no-helper case skips (nothing to shim); every other test passes.
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4, outcomes
+    assert outcomes.get("passed", 0) >= 3 and not {"failed", "errors"} & set(outcomes), outcomes
 
 
 def test_importing_repro_testing_imports_no_torch():
