@@ -47,13 +47,34 @@ def _row(o: ReproOutcome) -> list[str]:
             f"{o.unfixed.seconds + o.fixed.seconds:.1f}", " ".join(_detail(o).split())]
 
 
+def _key(o: ReproOutcome) -> str:
+    """The distinctive fragment of the row's detail (a good row: what its signature matched)."""
+    return o.unfixed.key if o.status == "good" else ""
+
+
+def shorten(detail: str, key: str, room: int) -> str:
+    """``detail`` cut to ``room`` characters; when the cut would lose ``key`` (the part that
+    identifies the failure), ``Type: …key and what follows…`` instead."""
+    if len(detail) <= room:
+        return detail
+    at = detail.find(key) if key else -1
+    if at + len(key) > room - 1:
+        head, sep, _ = detail.partition(": ")
+        prefix = f"{head}: …" if sep and len(head) < at else "…"
+        detail = prefix + detail[at:]
+        if len(detail) <= room:
+            return detail
+    return detail[: room - 1] + "…"
+
+
 def table(outcomes: list[ReproOutcome], width: int = TABLE_WIDTH) -> str:
     rows = [_HEADER] + [_row(o) for o in outcomes]
+    keys = [""] + [_key(o) for o in outcomes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER) - 1)]
     room = max(width - sum(widths) - 2 * len(widths), 20)
     lines = []
-    for r in rows:
-        detail = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
+    for r, key in zip(rows, keys, strict=True):
+        detail = shorten(r[-1], key, room)
         lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), detail]))
     lines.insert(1, "  ".join("-" * w for w in [*widths, min(room, 40)]))
     return "\n".join(line.rstrip() for line in lines)
@@ -65,9 +86,11 @@ def summary(outcomes: list[ReproOutcome]) -> str:
     if by["bad"]:
         text += "\nbad: " + ", ".join(by["bad"])
     if by["skipped"]:
-        text += "\nskipped: " + "; ".join(
-            f"{o.name} ({_detail(o)})" for o in outcomes if o.status == "skipped"
-        )
+        reasons: dict[str, list[str]] = {}  # each distinct reason once, in first-seen order
+        for o in outcomes:
+            if o.status == "skipped":
+                reasons.setdefault(" ".join(_detail(o).split()), []).append(o.name)
+        text += "\nskipped:" + "".join(f"\n  {', '.join(n)}: {why}" for why, n in reasons.items())
     return text
 
 

@@ -21,6 +21,9 @@ class PathOutcome:
     status: str  # reproduced | not-reproduced | wrong-failure | passed | failed | skipped
     detail: str
     seconds: float
+    # The part of ``detail`` that identifies it: the message or stderr fragment the matched
+    # signature names (the table keeps it when it shortens the detail). Empty: none.
+    key: str = ""
 
 
 @dataclass
@@ -88,7 +91,8 @@ def judge_unfixed(
         return skip
     sig = repro.matching_signature(result, device, sanitized)
     if sig is not None:
-        return PathOutcome("reproduced", failure_text(result), result.seconds)
+        return PathOutcome("reproduced", failure_text(result), result.seconds,
+                           key=sig.message or sig.stderr or "")
     if result.ok:
         return PathOutcome("not-reproduced", "unfixed path completed", result.seconds)
     expected = " | ".join(
