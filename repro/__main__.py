@@ -19,9 +19,13 @@ import json
 import os
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
-from repro.registry import DEVICES, discover
-from repro.runner import ReproOutcome, run_repro
+# Only torch-free modules here: --help, --list and bad arguments answer from repro/catalog.json
+# without importing a repro module (tests/test_cli_imports.py checks sys.modules).
+from repro import catalog
+from repro.registry import DEVICES, find
+from repro.runner import ReproOutcome, run_repro, skip_reason, skipped_outcome
 
 TABLE_WIDTH = 120  # the detail column is cut to fit; --json keeps every message whole
 _HEADER = ["repro", "device", "unfixed", "fixed", "secs", "detail"]
@@ -43,13 +47,34 @@ def _row(o: ReproOutcome) -> list[str]:
             f"{o.unfixed.seconds + o.fixed.seconds:.1f}", " ".join(_detail(o).split())]
 
 
+def _key(o: ReproOutcome) -> str:
+    """The distinctive fragment of the row's detail (a good row: what its signature matched)."""
+    return o.unfixed.key if o.status == "good" else ""
+
+
+def shorten(detail: str, key: str, room: int) -> str:
+    """``detail`` cut to ``room`` characters; when the cut would lose ``key`` (the part that
+    identifies the failure), ``Type: …key and what follows…`` instead."""
+    if len(detail) <= room:
+        return detail
+    at = detail.find(key) if key else -1
+    if at + len(key) > room - 1:
+        head, sep, _ = detail.partition(": ")
+        prefix = f"{head}: …" if sep and len(head) < at else "…"
+        detail = prefix + detail[at:]
+        if len(detail) <= room:
+            return detail
+    return detail[: room - 1] + "…"
+
+
 def table(outcomes: list[ReproOutcome], width: int = TABLE_WIDTH) -> str:
     rows = [_HEADER] + [_row(o) for o in outcomes]
+    keys = [""] + [_key(o) for o in outcomes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER) - 1)]
     room = max(width - sum(widths) - 2 * len(widths), 20)
     lines = []
-    for r in rows:
-        detail = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
+    for r, key in zip(rows, keys, strict=True):
+        detail = shorten(r[-1], key, room)
         lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), detail]))
     lines.insert(1, "  ".join("-" * w for w in [*widths, min(room, 40)]))
     return "\n".join(line.rstrip() for line in lines)
@@ -61,9 +86,11 @@ def summary(outcomes: list[ReproOutcome]) -> str:
     if by["bad"]:
         text += "\nbad: " + ", ".join(by["bad"])
     if by["skipped"]:
-        text += "\nskipped: " + "; ".join(
-            f"{o.name} ({_detail(o)})" for o in outcomes if o.status == "skipped"
-        )
+        reasons: dict[str, list[str]] = {}  # each distinct reason once, in first-seen order
+        for o in outcomes:
+            if o.status == "skipped":
+                reasons.setdefault(" ".join(_detail(o).split()), []).append(o.name)
+        text += "\nskipped:" + "".join(f"\n  {', '.join(n)}: {why}" for why, n in reasons.items())
     return text
 
 
@@ -91,6 +118,28 @@ def _writable(path: str) -> str | None:
     return None
 
 
+# -j default on CUDA: one child per this much GPU memory (the largest CUDA repro here, a tiny
+# megatron GPT, peaks far below it; the CUDA context alone is ~0.5 GiB) and per two host cores
+# (each child's CPU side: interpreter, imports, kernel launches), at most 8.
+CUDA_BYTES_PER_JOB = 16 << 30
+MAX_DEFAULT_JOBS = 8
+
+
+def default_jobs(device: str, gpu_bytes: int = 0, cores: int = 1) -> int:
+    """How many repros run side by side when -j is not given: 1 on CPU (children there compete
+    for the same cores they measure on); on CUDA, from the GPU's memory and the host's cores."""
+    if device != "cuda":
+        return 1
+    return max(1, min(gpu_bytes // CUDA_BYTES_PER_JOB, cores // 2, MAX_DEFAULT_JOBS))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m repro", description=__doc__.split("\n\n")[0].split(": ", 1)[1].capitalize(),
@@ -107,12 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                         "sanitizers the repro declares (storage and mesh unless it names "
                         "others, e.g. recompute); unfixed paths must then fail with the named "
                         "error the repro declares (e.g. ReleasedStorageError)")
+    parser.add_argument("-j", "--jobs", type=_positive, metavar="N",
+                        help="run N repros side by side, each its own children (default 1 on "
+                        "cpu; on cuda chosen from the GPU's memory and the host's cores)")
     args = parser.parse_args(argv)
 
     if args.device not in DEVICES:
         print(f"error: unknown device {args.device!r}; allowed: {', '.join(DEVICES)}", file=sys.stderr)
         return 2
-    repros = discover()
+    repros = catalog.load()
     if args.list:
         for r in repros.values():
             print(f"{r.name:34} [{','.join(r.devices)}] {r.summary}")
@@ -133,13 +185,32 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --device cuda asked for, but torch.cuda.is_available() is False",
                   file=sys.stderr)
             return 2
+        jobs = args.jobs or default_jobs(
+            "cuda", torch.cuda.get_device_properties(0).total_memory, os.cpu_count() or 1)
+    else:
+        jobs = args.jobs or default_jobs(args.device)
 
-    outcomes = []
-    for name in names:
-        o = run_repro(repros[name], args.device, sanitized=args.sanitize)
-        outcomes.append(o)
+    def run_one(name: str) -> ReproOutcome:
+        entry = repros[name]
+        if (reason := skip_reason(entry, args.device)) is not None:
+            o = skipped_outcome(name, args.device, reason, args.sanitize)  # no import, no child
+        else:
+            o = run_repro(find(name, entry.module), args.device, sanitized=args.sanitize)
         print(f"[{o.status}] {name} ({args.device}{', sanitized' if args.sanitize else ''})",
               file=sys.stderr, flush=True)
+        return o
+
+    # Each repro's paths stay sequential and each path is its own child process; -j only lets
+    # several repros' children run at once. The table keeps the order asked for.
+    if jobs == 1:
+        outcomes = [run_one(name) for name in names]
+    else:
+        for name in names:  # import the declaring modules here, not racing in the threads
+            if skip_reason(repros[name], args.device) is None:
+                find(name, repros[name].module)
+        print(f"running up to {jobs} repros side by side (-j {jobs})", file=sys.stderr)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(run_one, names))
     width = min(TABLE_WIDTH, shutil.get_terminal_size((TABLE_WIDTH, 24)).columns)
     if args.sanitize:
         print("under fixes.sanitize (each repro's sanitizers; storage + mesh unless it names "

@@ -144,6 +144,10 @@ class Repro:
     # what is imported before the child starts); None: a fresh interpreter, for a child that
     # imports a package the server preloads from elsewhere.
     forkserver: str | None = "torch"
+    # A cheap check the parent runs before starting any child: returns why the repro cannot run
+    # here (e.g. repro.harness.megatron_lm.skip_reason: STACKFIX_MEGATRON_LM unset) or None. It
+    # must import nothing heavy; repro/catalog.json records it as "module:function".
+    precondition: Callable[[], str | None] | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -159,6 +163,9 @@ class Repro:
     def missing_requirements(self) -> list[str]:
         return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]
 
+    def unmet_precondition(self) -> str | None:
+        return self.precondition() if self.precondition is not None else None
+
     def expected_signatures(self, sanitized: bool = False) -> tuple[Signature, ...]:
         return (self.sanitized_signatures or self.signatures) if sanitized else self.signatures
 
@@ -170,7 +177,7 @@ class Repro:
 
 
 # The runner's own modules (and the ``harness`` package, skipped as a package): no repros there.
-_RUNNER_MODULES = frozenset({"child", "registry", "runner"})
+_RUNNER_MODULES = frozenset({"catalog", "child", "registry", "runner", "testing"})
 
 
 def discover() -> dict[str, Repro]:
@@ -200,6 +207,7 @@ def find(name: str, module: str | None = None) -> Repro:
     if module is not None:
         for r in getattr(importlib.import_module(module), "REPROS", ()):
             if r.name == name:
+                DECLARED_IN[name] = module
                 return r
         raise KeyError(f"{module} declares no repro {name!r}")
     return discover()[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from repro.catalog import Entry
 from repro.harness.isolated import IsolatedResult, run_isolated
 from repro.harness.sanitize import ENV as SANITIZE_ENV
 from repro.registry import DECLARED_IN, SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
@@ -20,6 +21,9 @@ class PathOutcome:
     status: str  # reproduced | not-reproduced | wrong-failure | passed | failed | skipped
     detail: str
     seconds: float
+    # The part of ``detail`` that identifies it: the message or stderr fragment the matched
+    # signature names (the table keeps it when it shortens the detail). Empty: none.
+    key: str = ""
 
 
 @dataclass
@@ -87,7 +91,8 @@ def judge_unfixed(
         return skip
     sig = repro.matching_signature(result, device, sanitized)
     if sig is not None:
-        return PathOutcome("reproduced", failure_text(result), result.seconds)
+        return PathOutcome("reproduced", failure_text(result), result.seconds,
+                           key=sig.message or sig.stderr or "")
     if result.ok:
         return PathOutcome("not-reproduced", "unfixed path completed", result.seconds)
     expected = " | ".join(
@@ -106,13 +111,19 @@ def judge_fixed(result: IsolatedResult) -> PathOutcome:
     return PathOutcome("failed", failure_text(result), result.seconds)
 
 
-def skip_reason(repro: Repro, device: str) -> str | None:
-    """Why ``repro`` cannot run on ``device`` here, known before starting it; None if it can."""
+def skip_reason(repro: Repro | Entry, device: str) -> str | None:
+    """Why ``repro`` (or its catalog entry) cannot run on ``device`` here, known before
+    starting it (no child is started); None if it can."""
     if device not in repro.devices:
         return f"no {device} variant"
     if missing := repro.missing_requirements():
         return "missing " + ", ".join(missing)
-    return None
+    return repro.unmet_precondition()
+
+
+def skipped_outcome(name: str, device: str, reason: str, sanitized: bool = False) -> ReproOutcome:
+    skip = PathOutcome("skipped", reason, 0.0)
+    return ReproOutcome(name, device, skip, skip, sanitized)
 
 
 def run_repro(repro: Repro, device: str, sanitized: bool = False) -> ReproOutcome:
@@ -120,8 +131,7 @@ def run_repro(repro: Repro, device: str, sanitized: bool = False) -> ReproOutcom
     ``sanitized``: under fixes.sanitize, judged by the repro's sanitized signatures."""
     reason = skip_reason(repro, device)
     if reason is not None:
-        skip = PathOutcome("skipped", reason, 0.0)
-        return ReproOutcome(repro.name, device, skip, skip, sanitized)
+        return skipped_outcome(repro.name, device, reason, sanitized)
     unfixed = judge_unfixed(repro, run_path(repro, False, device, sanitized), device, sanitized)
     fixed = judge_fixed(run_path(repro, True, device, sanitized))
     return ReproOutcome(repro.name, device, unfixed, fixed, sanitized)

@@ -116,7 +116,29 @@ def test_outcome_status_and_exit_codes():
     assert exit_status([novariant], asked=["b"], strict=False) == 3
     assert exit_status([missing, bad], asked=["c"], strict=False) == 1
     text = summary([good, novariant, bad])
-    assert text.startswith("1 good, 1 bad, 1 skipped") and "b (no cpu variant)" in text
+    assert text.startswith("1 good, 1 bad, 1 skipped") and "  b: no cpu variant" in text
+
+
+def test_skip_summary_says_each_reason_once_one_line_each():
+    why = "STACKFIX_MEGATRON_LM is not set (clone: git clone -b dev ...)"
+    outcomes = [_outcome("m1", "skipped", "skipped", why), _outcome("a", "reproduced", "passed"),
+                _outcome("m2", "skipped", "skipped", why),
+                _outcome("c", "skipped", "skipped", "no cpu variant")]
+    lines = summary(outcomes).splitlines()
+    assert lines[1:] == ["skipped:", f"  m1, m2: {why}", "  c: no cpu variant"]
+
+
+def test_table_cell_keeps_the_part_the_signature_matched():
+    repro = _fake_repro(Signature(exception="SpmdTypeError", message="requires an active mesh"))
+    message = ("assert_type(tensor, PerMeshAxisLocalSpmdType.R) requires an active mesh, but no "
+               "current mesh is set. Use set_mesh() or pass an explicit per-axis dict instead.")
+    path = judge_unfixed(repro, _result(1, _exc_stderr(["SpmdTypeError", "Exception"], message)),
+                         "cpu")
+    assert path.detail == "SpmdTypeError: " + message  # whole, for --json
+    row = table([ReproOutcome("mesh-recompute", "cpu", path,
+                              PathOutcome("passed", "completed", 0.0))]).splitlines()[-1]
+    assert len(row) <= TABLE_WIDTH
+    assert "SpmdTypeError: …requires an active mesh" in row
 
 
 def test_table_fits_its_width_and_keeps_names_whole():

@@ -98,7 +98,9 @@ def _run(pytester, *args) -> pytest.RunResult:
 
 def test_entry_point_is_declared_in_pyproject():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert meta["project"]["entry-points"]["pytest11"] == {"stackfix": PLUGIN}
+    # stackfix-testing: repro.testing's fixtures (megatron_cpu, megatron_recompute_reclaim).
+    assert meta["project"]["entry-points"]["pytest11"] == {"stackfix": PLUGIN,
+                                                           "stackfix-testing": "repro.testing"}
     module = pytest.importorskip(PLUGIN)
     assert callable(module.pytest_addoption) and callable(module.pytest_runtest_protocol)
 

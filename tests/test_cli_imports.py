@@ -1,0 +1,86 @@
+"""``python -m repro``'s cheap answers import no repro module (so no torch, no spmd_types), and
+a repro skipped by its precondition starts no child; repro/catalog.json is what they read and
+must equal what the REPROS lists declare. Each check runs the CLI in a fresh interpreter and
+reads its ``sys.modules`` there (what the parent test process imported says nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from repro import catalog
+
+pytestmark = pytest.mark.cpu
+
+HEAVY = ("torch", "spmd_types", "megatron", "torchtitan")
+
+# Runs main(argv) in the child, with run_isolated replaced so that starting a child is an error,
+# and prints the exit status, the heavy modules imported and the stdout main printed.
+_PROBE = f"""
+import contextlib, io, json, sys
+import repro.runner
+def _no_child(*a, **k):
+    raise AssertionError("a child was started")
+repro.runner.run_isolated = _no_child
+from repro.__main__ import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        rc = main(json.loads(sys.argv[1]))
+    except SystemExit as e:
+        rc = e.code
+heavy = [m for m in {HEAVY!r} if m in sys.modules]
+print(json.dumps({{"rc": rc, "heavy": heavy, "out": out.getvalue(), "err": err.getvalue()}}))
+"""
+
+
+def _cli(*argv: str, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "STACKFIX_MEGATRON_LM"} | env
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(argv))],
+                          capture_output=True, text=True, env=environ, timeout=120, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv, rc", [
+    (["--help"], 0), (["--list"], 0), (["--only", "nosuch"], 2), (["--device", "tpu"], 2),
+    (["--only", "mesh-recompute", "--json", "/nonexistent/x.json"], 2),
+])
+def test_cheap_answers_import_no_repro_module(argv, rc):
+    r = _cli(*argv)
+    assert (r["rc"], r["heavy"]) == (rc, [])
+
+
+def test_list_names_every_repro_from_the_catalog():
+    r = _cli("--list")
+    listed = [line.split()[0] for line in r["out"].splitlines()]
+    assert listed == list(catalog.load())
+
+
+@pytest.mark.parametrize("name", ["mtp-shape-megatron-dev", "mtp-shape-megatron-dev-verl080"])
+def test_unmet_precondition_skips_in_the_parent_without_a_child(name):
+    r = _cli("--only", name)
+    assert r["rc"] == 3 and r["heavy"] == []  # skipped (asked for by name); nothing imported
+    row = next(line for line in r["out"].splitlines() if line.startswith(name))
+    assert row.split()[1:5] == ["cpu", "skipped", "skipped", "0.0"]
+    assert "STACKFIX_MEGATRON_LM is not set" in r["out"]
+
+
+def test_catalog_equals_the_declared_repros():
+    # discover() imports every repro module: in a child, so this process keeps its imports.
+    proc = subprocess.run([sys.executable, "-m", "repro.catalog", "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_catalog_entry_judges_like_its_repro():
+    from repro.registry import discover
+    from repro.runner import skip_reason
+
+    repros = discover()
+    for name, e in catalog.load().items():
+        for device in ("cpu", "cuda"):
+            assert skip_reason(e, device) == skip_reason(repros[name], device), (name, device)

@@ -1,0 +1,75 @@
+"""repro.testing: the public helpers (and pytest fixtures) for running megatron-core's checkpoint
+and fixes.megatron's reclaim in one's own CPU tests. Each scenario runs as a user's test file in
+an inner pytest (a child process), found through the installed ``stackfix-testing`` plugin."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+pytest_plugins = ("pytester",)
+
+_USER_TESTS = '''
+import pytest
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import random as mrandom
+
+ORIGINAL_RNG_GET = mrandom._get_cuda_rng_state
+ORIGINAL_BACKWARD = mrandom.CheckpointFunction.backward
+
+
+def _step(lin, x):
+    tensor_parallel.checkpoint(lin, False, x).sum().backward()
+    return x.grad
+
+
+def test_checkpoint_without_the_helper_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: megatron's RNG bookkeeping works as shipped")
+    with pytest.raises((RuntimeError, AssertionError), match="Torch not compiled with CUDA"):
+        _step(torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True))
+
+
+def test_reclaim_acts_on_cpu(megatron_recompute_reclaim):
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    reference = torch.autograd.grad(lin(x).sum(), x)[0]
+    assert mrandom.CheckpointFunction.backward is not ORIGINAL_BACKWARD  # the reclaim is in
+    assert torch.equal(_step(lin, x), reference)
+    assert [(e.role, e.action) for e in megatron_recompute_reclaim] == [("input", "refcounted")]
+
+
+def test_megatron_cpu_yields_tensor_parallel(megatron_cpu):
+    assert megatron_cpu is tensor_parallel
+    _step(torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True))
+
+
+def test_originals_are_back_after_the_fixtures():
+    assert mrandom._get_cuda_rng_state is ORIGINAL_RNG_GET
+    assert mrandom.CheckpointFunction.backward is ORIGINAL_BACKWARD
+'''
+
+
+def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
+    # Nothing heavy is imported here: pytester drops the modules a test imports afterwards, and
+    # torch.distributed cannot be imported twice in one process.
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed")
+    pytester.makepyfile(test_user=_USER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rs")  # file order
+    outcomes = result.parseoutcomes()
+    # With CUDA present the no-helper case skips (nothing to shim); every other test passes.
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4, outcomes
+    assert outcomes.get("passed", 0) >= 3 and not {"failed", "errors"} & set(outcomes), outcomes
+
+
+def test_importing_repro_testing_imports_no_torch():
+    code = "import sys, repro.testing; print([m for m in ('torch', 'megatron') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip() == "[]"
