@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0
    -k "not gpt-mtp and not kept-probs and not ep2" --benchmark-json="$OUT/bench-megatron-scale-gpu-moe.json" \
    > "$OUT/bench-megatron-scale-gpu-moe.log" 2>&1; echo "bench moe rc=$?" >> "$OUT/bench-megatron-scale-gpu-moe.log"
  for m in gpt-mtp moe-kept-probs; do
-   CUDA_VISIBLE_DEVICES=1 timeout 80 python3 benchmarks/results/h200-2026-11-30-round5/steptime_probe.py ours $m bf16 1024 2048 40 > "$OUT/probe-ours-$m.log" 2>&1; echo "rc=$?" >> "$OUT/probe-ours-$m.log"
+   CUDA_VISIBLE_DEVICES=1 timeout 80 python3 ci/gpu_batches/round5-steptime_probe.py ours $m bf16 1024 2048 40 > "$OUT/probe-ours-$m.log" 2>&1; echo "rc=$?" >> "$OUT/probe-ours-$m.log"
  done
  CUDA_VISIBLE_DEVICES=1 timeout 110 python3 -m benchmarks.megatron_scale --device cuda --models gpt-mtp,moe-kept-probs \
    --strategies none,ours --dtypes bf16 --sizes 1024x2048 --steps 100 --out "$OUT/steptime-1024-bf16-100steps.json" \

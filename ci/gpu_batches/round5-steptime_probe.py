@@ -4,7 +4,7 @@ One process per strategy (verl: one release per process), interleaved with none 
 does. Per step: wall time, GPU time (CUDA events), and the CPU time spent inside
 CheckpointFunction.backward: outer (whatever is installed) and inner (megatron's own backward;
 ours wraps it, verl replaces it). Then a torch.profiler table for 3 steps of each.
-usage (repository root, after . ci/gpu_env.sh): python benchmarks/results/h200-2026-11-30-round5/steptime_probe.py STRATEGY MODEL DTYPE HIDDEN SEQ STEPS
+usage (repository root, after . ci/gpu_env.sh): python ci/gpu_batches/round5-steptime_probe.py STRATEGY MODEL DTYPE HIDDEN SEQ STEPS
 """
 import gc
 import statistics
