@@ -116,10 +116,9 @@ def _record(func, out, region: Region) -> OpRecord | None:
                     fp.rtol_scale(valued) if print_ is not None else None)
 
 
-class _RecordForward(TorchDispatchMode):
-    def __init__(self, region: Region):
-        super().__init__()
-        self.region = region
+class _RegionMode(TorchDispatchMode):
+    """A region's dispatch mode: subclass dispatch passes through; every other op runs through
+    ``run(func, args, kwargs)``."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -128,25 +127,27 @@ class _RecordForward(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if (special := _subclass_dispatch(types)) is not None:
             return special if special is NotImplemented else func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        return self.run(func, args, kwargs or {})
+
+
+class _RecordForward(_RegionMode):
+    def __init__(self, region: Region):
+        super().__init__()
+        self.region = region
+
+    def run(self, func, args, kwargs):
+        out = func(*args, **kwargs)
         if (record := _record(func, out, self.region)) is not None:
             self.region.ops.append(record)
         return out
 
 
-class _CompareRecompute(TorchDispatchMode):
+class _CompareRecompute(_RegionMode):
     def __init__(self, replay: Replay):
         super().__init__()
         self.replay = replay
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (special := _subclass_dispatch(types)) is not None:
-            return special if special is NotImplemented else func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
+    def run(self, func, args, kwargs):
         self.replay.refuse_outside_writes(func, args, kwargs)
         out = func(*args, **kwargs)
         self.replay.check(func, out)
