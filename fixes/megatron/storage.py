@@ -1,6 +1,6 @@
 """Who else holds a tensor's memory? ``is_storage_exclusive`` answers it for tools that must know
 (the storage sanitizer, users auditing a ``resize_(0)``); ``python_refs_beyond`` counts Python
-references for the reclaim.
+references, from ``getrefcount_baseline``, which the reclaim reads directly on its hot path.
 
 Why it matters: verl's recompute reclaim (verl #5251, the workaround for Megatron-LM #3221)
 calls ``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)`` frees the
@@ -25,8 +25,8 @@ How, at two levels:
   one more. ``sys.getrefcount`` would only see Python references and misses all of these.
 
 Python names bound to the *same* tensor object are not other tensors: they are the caller's
-business. :func:`python_refs_beyond` counts them for callers (like the reclaim) that know how
-many they hold themselves.
+business. :func:`python_refs_beyond` counts them for callers that know how many they hold
+themselves (the reclaim compares ``sys.getrefcount`` with :func:`getrefcount_baseline` inline).
 """
 
 from __future__ import annotations
