@@ -13,8 +13,9 @@
   place per element, from additions taken in another order): ``|d norm| <= rtol * norm`` and
   ``|d sum| <= rtol * sqrt(numel) * norm``.
 
-Ops whose outputs hold uninitialised memory (``empty`` and friends) get no fingerprint, only
-metadata: their values differ run to run by design. Nor do the outputs an op returns its own RNG
+Allocations of uninitialised memory (``empty`` and friends: ``ALLOCATIONS``) are not compared
+at all (whether one runs depends on a cache's state: megatron's GlobalMemoryBuffer), and ops
+whose outputs hold uninitialised memory otherwise (``resize_``, ``set_``) get only metadata: their values differ run to run by design. Nor do the outputs an op returns its own RNG
 state in (``valued_outputs``): the fused attention kernels return the philox seed and offset
 they drew (``_scaled_dot_product_efficient_attention``, ``_flash_attention_forward``, ...),
 which a recompute draws anew with no effect on the result when dropout is off (H200: a false
@@ -30,24 +31,27 @@ import math
 import torch
 from torch.utils import _pytree as pytree
 
+
+def _aten(*names: str) -> frozenset:
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+# Allocations of uninitialised memory: not part of the replayed computation. Whether one runs
+# depends on caches, not on the region's inputs: megatron's GlobalMemoryBuffer.get_tensor
+# allocates its scratch buffer on the first call and slices it after, so a model's first
+# forward allocates and its recompute does not. Neither side records them (``_region``).
+ALLOCATIONS = _aten("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                    "empty_permuted")
 # Uninitialised outputs: metadata only.
-_NO_VALUES = frozenset(
-    getattr(torch.ops.aten, name)
-    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                 "empty_permuted", "resize_", "set_")
-    if hasattr(torch.ops.aten, name)
-)
+_NO_VALUES = ALLOCATIONS | _aten("resize_", "set_")
 
 # Ops that accumulate with atomicAdd on CUDA (their outputs vary in the last bits run to run,
 # as torch.use_deterministic_algorithms documents); exact elsewhere.
-_ATOMIC_ON_CUDA = frozenset(
-    getattr(torch.ops.aten, name)
-    for name in ("index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
-                 "scatter_reduce_", "index_put", "index_put_", "_index_put_impl_",
-                 "_unsafe_index_put", "index_reduce", "index_reduce_", "bincount", "histc",
-                 "put_", "put", "embedding_dense_backward", "_segment_reduce")
-    if hasattr(torch.ops.aten, name)
-)
+_ATOMIC_ON_CUDA = _aten("index_add", "index_add_", "scatter_add", "scatter_add_",
+                        "scatter_reduce", "scatter_reduce_", "index_put", "index_put_",
+                        "_index_put_impl_", "_unsafe_index_put", "index_reduce", "index_reduce_",
+                        "bincount", "histc", "put_", "put", "embedding_dense_backward",
+                        "_segment_reduce")
 
 # Per dtype: how far (relative, in the 2-norm) outputs may move after atomics reorder their
 # additions: a few units in the last place. Provisional until measured on a GPU

@@ -4,7 +4,9 @@ recorded by a dispatch mode, and each recompute compared with them op by op.
 The contract: a region's recompute replays its forward. At op ``i`` of a recompute the op, its
 output metadata (shape, dtype, device per output) and -- once the recompute ends -- its value
 fingerprint equal those of op ``i`` of the forward (values within ``_fingerprint``'s tolerance
-from the first op whose device kernel is not deterministic on). A recompute may stop early
+from the first op whose device kernel is not deterministic on). Ops are counted without
+autograd's detaches and without allocations (``_fingerprint.ALLOCATIONS``: whether a cache
+allocates depends on its state, not on the region). A recompute may stop early
 (non-reentrant checkpoint stops after the last tensor it needs): then the ops it ran are a
 prefix of the forward's; one that runs to the end ran as many ops as the forward. An op of a
 recompute that would write a tensor no op of that recompute created is a replayed side effect
@@ -102,7 +104,7 @@ _IGNORED = frozenset({torch.ops.aten.detach.default})
 
 
 def _record(func, out, region: Region) -> OpRecord | None:
-    if func in _IGNORED:
+    if func in _IGNORED or func.overloadpacket in fp.ALLOCATIONS:
         return None
     site = raw_site(region.opaque)
     if site is None:
@@ -256,15 +258,15 @@ class Replay:
 
     def check(self, func, out) -> None:
         position = len(self.ops)
+        outs = fp.tensors(out)
+        for fresh, t in zip(_fresh(func), outs, strict=False):
+            if fresh and t.layout is torch.strided and not t.is_meta:
+                self.created.add(t.untyped_storage()._cdata)
         mine = _record(func, out, self.region)
         if mine is None:
             return
         self.ops.append(mine)
         self.region.stats.ops_compared += 1
-        outs = fp.tensors(out)
-        for fresh, t in zip(_fresh(func), outs, strict=False):
-            if fresh and t.layout is torch.strided and not t.is_meta:
-                self.created.add(t.untyped_storage()._cdata)
         forward = self.region.ops
         if position >= len(forward):
             self._check_values(position)
