@@ -4,7 +4,7 @@ GPT and GPT+MTP, full recompute, world size 1): no false positive, and its step-
 One child interpreter per (model, device): build, the model's first step under the sanitizer,
 then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA within
 what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved (none, full,
-metadata-only, ...). Prints ``SANITIZE-MEGATRON {json}``: regions and ops compared, the
+sampled, metadata-only). Prints ``SANITIZE-MEGATRON {json}``: regions and ops compared, the
 gradient distances, medians and the median of step-by-step ratios per mode.
 
     python -m benchmarks._sanitize_megatron --model moe --device cpu --size 128x128 --steps 3
@@ -18,15 +18,17 @@ import json
 import statistics
 import time
 
-MODES = ("none", "recompute", "recompute-metadata")
+# mode name -> recompute_sanitizer(values=...)
+MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
+         "recompute-metadata": "none"}
 
 
 def _mode(name: str):
     from fixes.sanitize import recompute_sanitizer
 
-    if name == "none":
+    if MODES[name] is None:
         return contextlib.nullcontext()
-    return recompute_sanitizer(values=name == "recompute")
+    return recompute_sanitizer(values=MODES[name])
 
 
 def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int) -> dict:
@@ -73,7 +75,7 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
               "grad_distance": distance(sanitized, reference)}
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(steps):
-        for name in MODES if i % 2 == 0 else MODES[::-1]:
+        for name in list(MODES) if i % 2 == 0 else list(MODES)[::-1]:
             with _mode(name):
                 t = time.perf_counter()
                 step()

@@ -2,8 +2,9 @@
 mesh-preserving context_fn, inside the spmd mesh) of the plain transformer without a sanitizer,
 under each one, and under all; under ``storage_sanitizer()`` once a released storage is
 alive (every op then has its tensor arguments checked: the slow path); and under
-``recompute_sanitizer()`` in full (op, metadata and value fingerprints) and metadata-only
-(``values=False``). The recompute sanitizer also runs on real megatron-core models (MoE GPT,
+``recompute_sanitizer()`` in full (op, metadata and value fingerprints of every op), sampled
+(``values="sampled"``: fingerprints of every 8th op and the last) and metadata-only
+(``values="none"``). The recompute sanitizer also runs on real megatron-core models (MoE GPT,
 GPT+MTP; ``benchmarks._sanitize_megatron``, one child each): no false positive, and its cost.
 
 The strategies run interleaved round by round (clock and load drift hit all alike). Figures:
@@ -33,7 +34,9 @@ from repro import run_isolated
 pytestmark = pytest.mark.no_stackfix_sanitize
 SCENARIO = "sanitizers/plain-transformer-full-ac"
 STRATEGIES = ("none", "storage", "mesh", "storage+mesh", "storage-slow-path", "recompute",
-              "recompute-metadata", "storage+mesh+recompute")
+              "recompute-sampled", "recompute-metadata", "storage+mesh+recompute")
+# recompute_sanitizer(values=...) per strategy name
+RECOMPUTE_VALUES = {"recompute-sampled": "sampled", "recompute-metadata": "none"}
 ROUNDS = {"cpu": 15, "cuda": 20}
 
 
@@ -47,7 +50,7 @@ def _sanitized(strategy: str):
         if "mesh" in strategy:
             stack.enter_context(mesh_sanitizer())
         if "recompute" in strategy:
-            stack.enter_context(recompute_sanitizer(values=strategy != "recompute-metadata"))
+            stack.enter_context(recompute_sanitizer(values=RECOMPUTE_VALUES.get(strategy, "all")))
         if strategy == "storage-slow-path":
             # A released storage kept alive by a tensor: the check runs on every op.
             released = torch.empty(16)

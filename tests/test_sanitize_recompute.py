@@ -183,11 +183,12 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("values", ["all", "sampled"])
 @pytest.mark.parametrize("kind", list(STEPS))
-def test_clean_regions_pass_with_unchanged_gradients(kind):
+def test_clean_regions_pass_with_unchanged_gradients(kind, values):
     step = STEPS[kind]
     reference = _grads(_model(), step)
-    with recompute_sanitizer() as sanitizer:
+    with recompute_sanitizer(values=values, sample_every=3) as sanitizer:
         got = _grads(_model(), step)
     assert sanitizer.regions >= 1 and sanitizer.recomputes >= 1 and sanitizer.ops_compared > 3
     for a, b in zip(reference, got, strict=True):
@@ -241,6 +242,58 @@ def test_a_scratch_buffer_allocated_by_the_first_forward_only_is_no_difference()
     with recompute_sanitizer() as sanitizer:
         checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
     assert sanitizer.recomputes == 1 and sanitizer.ops_compared >= 3
+
+
+def _chain(state: dict, at: int):
+    """A region of 12 elementwise ops; op ``at`` reads ``state``."""
+
+    def f(x):
+        h = x
+        for i in range(12):
+            h = h * state["scale"] if i == at else h.sin()
+        return h
+
+    return f
+
+
+@pytest.mark.parametrize("values,at,first,interval", [
+    ("all", 6, 6, None),
+    ("sampled", 6, 8, "ops #5 to #8"),    # between the samples #4 (equal) and #8
+    ("sampled", 11, 11, "ops #9 to #11"),  # the region's last op is always fingerprinted
+])
+def test_sampled_values_find_a_difference_within_one_sample_interval(values, at, first,
+                                                                      interval):
+    state = {"scale": 1.0}
+    with pytest.raises(RecomputeMismatchError) as caught, \
+            recompute_sanitizer(values=values, sample_every=4):
+        y = checkpoint(_chain(state, at), torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=True).sum()
+        state["scale"] = 2.0
+        y.backward()
+    assert (caught.value.what, caught.value.position) == ("values", first)
+    if interval:
+        assert f"the first difference is at one of {interval}" in str(caught.value)
+
+
+@pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),
+                                             (True, 24), (False, 0)])
+def test_each_values_mode_fingerprints_what_it_says(values, expected):
+    """12 ops, forward and recompute: every op; every 4th and the last (0, 4, 8, 11); none."""
+    with recompute_sanitizer(values=values, sample_every=4) as sanitizer:
+        checkpoint(_chain({"scale": 1.0}, 6), torch.randn(4, 8, requires_grad=True),
+                   use_reentrant=True).sum().backward()
+    assert (sanitizer.ops_compared, sanitizer.fingerprints) == (12, expected)
+
+
+def test_bad_values_mode_or_sample_interval_is_refused():
+    with pytest.raises(ValueError, match=r"values must be one of 'all', 'sampled', 'none'"):
+        with recompute_sanitizer(values="some"):
+            pass
+    with pytest.raises(ValueError, match=r"sample_every must be an int >= 1, got 0"):
+        with recompute_sanitizer(values="sampled", sample_every=0):
+            pass
+    with recompute_sanitizer():  # the refusals left nothing active
+        pass
 
 
 def test_torch_remat_regions_are_compared():

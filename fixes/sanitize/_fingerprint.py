@@ -1,8 +1,8 @@
 """What ``recompute_sanitizer()`` compares of one op's outputs, and how exactly.
 
 * ``metadata(outputs)``: ``(shape, dtype, device)`` of every tensor output, on the host.
-* ``fingerprint(outputs)``: one float64 tensor on the outputs' device, two entries per tensor
-  output (sum and 2-norm of its values, accumulated in float64), or None. Computed by kernels
+* ``fingerprint(outputs)``: 0-d float64 tensors on the outputs' device, two per tensor output
+  (sum and 2-norm of its values, accumulated in float64), or None. Computed by kernels
   queued on the device: no host synchronisation. The sum sees a sign or a shift, the norm a
   change that sums to zero; a pure permutation of values is not seen.
 * tolerance: 0 (bitwise) unless the op class is not deterministic on its device: ops that
@@ -47,7 +47,7 @@ _NO_VALUES = ALLOCATIONS | _aten("resize_", "set_")
 
 # Ops that accumulate with atomicAdd on CUDA (their outputs vary in the last bits run to run,
 # as torch.use_deterministic_algorithms documents); exact elsewhere.
-_ATOMIC_ON_CUDA = _aten("index_add", "index_add_", "scatter_add", "scatter_add_",
+ATOMIC_ON_CUDA = _aten("index_add", "index_add_", "scatter_add", "scatter_add_",
                         "scatter_reduce", "scatter_reduce_", "index_put", "index_put_",
                         "_index_put_impl_", "_unsafe_index_put", "index_reduce", "index_reduce_",
                         "bincount", "histc", "put_", "put", "embedding_dense_backward",
@@ -66,6 +66,8 @@ _DEFAULT_RTOL = 16 * torch.finfo(torch.float32).eps
 
 
 def tensors(outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):  # the common case, without pytree's walk
+        return [outputs]
     return [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
 
 
@@ -73,18 +75,25 @@ def tensors(outputs) -> list[torch.Tensor]:
 _STATE_RETURNS = ("philox", "seed", "rng_state", "debug_attn_mask", "unused")
 
 
-def valued_outputs(func, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``outs`` less the returns that hold the op's RNG state (by the schema's return names;
-    only where the returns are a flat list of tensors, one per output)."""
+def valued_returns(func) -> tuple[bool, ...]:
+    """Per return of ``func`` (by its schema's names): False for one that holds the op's RNG
+    state or scratch, not its result."""
     returns = getattr(getattr(func, "_schema", None), "returns", ())
-    if len(returns) != len(outs):
+    return tuple(not any(word in (r.name or "") for word in _STATE_RETURNS) for r in returns)
+
+
+def valued_outputs(func, outs: list[torch.Tensor],
+                   keep: tuple[bool, ...] | None = None) -> list[torch.Tensor]:
+    """``outs`` less the returns that hold the op's RNG state (``valued_returns``; only where
+    the returns are a flat list of tensors, one per output)."""
+    keep = valued_returns(func) if keep is None else keep
+    if len(keep) != len(outs) or all(keep):
         return outs
-    return [t for t, r in zip(outs, returns, strict=True)
-            if not any(word in (r.name or "") for word in _STATE_RETURNS)]
+    return [t for t, k in zip(outs, keep, strict=True) if k]
 
 
 def metadata(outs: list[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in outs)
+    return tuple([(tuple(t.shape), t.dtype, t.device.type) for t in outs])
 
 
 def _valued(t: torch.Tensor) -> bool:
@@ -96,8 +105,9 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                           "_c10d_functional_autograd"})
 
 
-def fingerprint(func, outs: list[torch.Tensor]) -> torch.Tensor | None:
-    """Sum and 2-norm of every valued output, float64, on the outputs' device (no sync)."""
+def fingerprint(func, outs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Sum and 2-norm of every valued output: 0-d float64 tensors on the outputs' device, two
+    per output, queued kernels only (no sync; the comparison stacks them once per region)."""
     if func.overloadpacket in _NO_VALUES or func.namespace in _COLLECTIVES:
         return None
     parts = []
@@ -107,18 +117,19 @@ def fingerprint(func, outs: list[torch.Tensor]) -> torch.Tensor | None:
         x = t.detach()
         if not x.is_floating_point():
             x = x.to(torch.float64)
-        parts.append(torch.sum(x, dtype=torch.float64).reshape(1))
-        parts.append(torch.linalg.vector_norm(x, dtype=torch.float64).reshape(1))
+        parts.append(torch.sum(x, dtype=torch.float64))
+        parts.append(torch.linalg.vector_norm(x, dtype=torch.float64))
     if not parts:
         return None
     if len({p.device for p in parts}) > 1:  # outputs on several devices: compare on the host
         parts = [p.cpu() for p in parts]
-    return torch.cat(parts)
+    return parts
 
 
-def is_inexact(func, outs: list[torch.Tensor]) -> bool:
-    """True if this op's values may differ between two identical runs on this device."""
-    if func.overloadpacket not in _ATOMIC_ON_CUDA or torch.are_deterministic_algorithms_enabled():
+def is_inexact(outs: list[torch.Tensor]) -> bool:
+    """For an op in ``ATOMIC_ON_CUDA``: True if its values may differ between two identical
+    runs here (on CUDA, unless torch's deterministic algorithms are on)."""
+    if torch.are_deterministic_algorithms_enabled():
         return False
     return any(t.device.type == "cuda" for t in outs)
 

@@ -60,16 +60,25 @@ def raw_site(opaque: bool = False) -> tuple | None:
     unpack hook that triggered it). ``opaque`` (torch_remat regions): the whole stack up to
     the region's entry is read, and an op under a SAVE op is None too."""
     frame, site, in_region = sys._getframe(2), [], False
-    while frame is not None and (opaque and not in_region or len(site) < _SITE_DEPTH):
+    kinds = _kind_of_code
+    # The hot loop of every recorded op: a dict lookup per frame, _kind only for a new code.
+    while frame is not None:
         code = frame.f_code
-        kind = _kind(code)
+        kind = kinds.get(code)
+        if kind is None:
+            kind = _kind(code)
         if kind is _USER:
             if len(site) < _SITE_DEPTH:
                 site.append((code, frame.f_lineno))
+                if len(site) == _SITE_DEPTH and (in_region or not opaque):
+                    break
         elif kind is _BOUNDARY:
             in_region = True
-        elif kind is _HOOK and not site and not in_region:
-            return None
+            if len(site) >= _SITE_DEPTH:
+                break
+        elif kind is _HOOK:
+            if not site and not in_region:
+                return None
         elif kind is _OPAQUE and opaque and not in_region:
             return None
         frame = frame.f_back

@@ -52,26 +52,37 @@ class RecomputeMismatchError(RuntimeError):
 
 # -- per-op bookkeeping ------------------------------------------------------------------------
 
-_fresh_returns: dict = {}
-_written_args: dict = {}
+# Autograd itself detaches tensors it saves when grad mode is on (a reentrant checkpoint's
+# forward runs without grad, its recompute with): a detach changes no value or metadata.
+_IGNORED = frozenset({torch.ops.aten.detach.default})
 
 
-def _fresh(func) -> tuple[bool, ...]:
-    """Per return of ``func``: True if it is a new tensor (aliases no argument)."""
-    known = _fresh_returns.get(func)
-    if known is None:
-        known = _fresh_returns[func] = tuple(r.alias_info is None for r in func._schema.returns)
-    return known
+@dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What the comparison needs of an op's schema: read once per op, one lookup per call."""
+
+    skipped: bool  # not compared: autograd's detach, allocations (``_fingerprint.ALLOCATIONS``)
+    fresh: tuple[bool, ...]  # per return: a new tensor (aliases no argument)
+    written: tuple[tuple[int, str], ...]  # (position, name) of every argument it writes
+    atomic: bool  # accumulates with atomics on CUDA
+    keep: tuple[bool, ...]  # per return: its values are compared (not RNG state)
 
 
-def _written(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of every argument ``func`` writes to."""
-    known = _written_args.get(func)
-    if known is None:
-        known = _written_args[func] = tuple(
-            (i, a.name) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write)
-    return known
+_infos: dict = {}
+
+
+def _info(func) -> _OpInfo:
+    info = _infos.get(func)
+    if info is None:
+        schema = func._schema
+        info = _infos[func] = _OpInfo(
+            skipped=func in _IGNORED or func.overloadpacket in fp.ALLOCATIONS,
+            fresh=tuple(r.alias_info is None for r in schema.returns),
+            written=tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                          if a.alias_info is not None and a.alias_info.is_write),
+            atomic=func.overloadpacket in fp.ATOMIC_ON_CUDA,
+            keep=fp.valued_returns(func))
+    return info
 
 
 @dataclass(slots=True)
@@ -79,7 +90,7 @@ class OpRecord:
     op: object  # the OpOverload
     meta: tuple
     site: tuple  # raw
-    fingerprint: torch.Tensor | None
+    fingerprint: list[torch.Tensor] | None  # 0-d float64 tensors (``_fingerprint``)
     inexact: bool
     scale: list[float] | None  # tolerance multipliers per fingerprint entry, when inexact
 
@@ -98,24 +109,45 @@ def _subclass_dispatch(types):
     return None
 
 
-# Autograd itself detaches tensors it saves when grad mode is on (a reentrant checkpoint's
-# forward runs without grad, its recompute with): a detach changes no value or metadata.
-_IGNORED = frozenset({torch.ops.aten.detach.default})
+class _Ops:
+    """The ops one side of a region ran (its forward, or one recompute), with the value
+    fingerprints its mode asks for: every op's (``all``), none (``none``), or (``sampled``)
+    those at positions ``0, n, 2n, ...`` and the side's last op, whose outputs are held until
+    the next op is recorded or the side ends (``finish``) -- one op's outputs, briefly."""
 
+    def __init__(self, region: Region):
+        self.region, self.records = region, []
+        self.mode, self.every = region.stats.values, region.stats.sample_every
+        self.last: tuple | None = None  # (record, func, valued outputs) not fingerprinted yet
 
-def _record(func, out, region: Region) -> OpRecord | None:
-    if func in _IGNORED or func.overloadpacket in fp.ALLOCATIONS:
-        return None
-    site = raw_site(region.opaque)
-    if site is None:
-        return None
-    outs = fp.tensors(out)
-    valued = fp.valued_outputs(func, outs)
-    with torch._C._DisableTorchDispatch():  # no other mode sees (or caches) these kernels
-        print_ = fp.fingerprint(func, valued) if region.values else None
-    inexact = fp.is_inexact(func, outs)
-    return OpRecord(func, fp.metadata(outs), site, print_, inexact,
-                    fp.rtol_scale(valued) if print_ is not None else None)
+    def add(self, func, outs: list[torch.Tensor], info: _OpInfo) -> OpRecord | None:
+        if info.skipped or (site := raw_site(self.region.opaque)) is None:
+            return None
+        record = OpRecord(func, fp.metadata(outs), site, None,
+                          info.atomic and fp.is_inexact(outs), None)
+        position = len(self.records)
+        self.records.append(record)
+        if self.mode == "none":
+            return record
+        valued = fp.valued_outputs(func, outs, info.keep)
+        if self.mode == "all" or position % self.every == 0:
+            self._fingerprint(record, func, valued)
+            self.last = None
+        else:
+            self.last = (record, func, valued)
+        return record
+
+    def finish(self) -> None:
+        if self.last is not None:
+            self._fingerprint(*self.last)
+            self.last = None
+
+    def _fingerprint(self, record: OpRecord, func, valued) -> None:
+        with torch._C._DisableTorchDispatch():  # no other mode sees (or caches) these kernels
+            record.fingerprint = fp.fingerprint(func, valued)
+        if record.fingerprint is not None:
+            record.scale = fp.rtol_scale(valued)
+            self.region.stats.fingerprints += 1
 
 
 class _RegionMode(TorchDispatchMode):
@@ -135,13 +167,18 @@ class _RegionMode(TorchDispatchMode):
 class _RecordForward(_RegionMode):
     def __init__(self, region: Region):
         super().__init__()
-        self.region = region
+        self.ops = _Ops(region)
+        region.ops = self.ops.records
 
     def run(self, func, args, kwargs):
         out = func(*args, **kwargs)
-        if (record := _record(func, out, self.region)) is not None:
-            self.region.ops.append(record)
+        self.ops.add(func, fp.tensors(out), _info(func))
         return out
+
+    def __exit__(self, exc_type, exc, tb):
+        result = super().__exit__(exc_type, exc, tb)
+        self.ops.finish()
+        return result
 
 
 class _CompareRecompute(_RegionMode):
@@ -150,18 +187,21 @@ class _CompareRecompute(_RegionMode):
         self.replay = replay
 
     def run(self, func, args, kwargs):
-        self.replay.refuse_outside_writes(func, args, kwargs)
+        info = _info(func)
+        if info.written:
+            self.replay.refuse_outside_writes(func, info.written, args, kwargs)
         out = func(*args, **kwargs)
-        self.replay.check(func, out)
+        self.replay.check(func, out, info)
         return out
 
 
 class Region:
     """One call of a checkpoint: its forward's ops, and the recomputes compared with them."""
 
-    def __init__(self, kind: str, label: str, site: tuple[str, ...], values: bool, stats,
+    def __init__(self, kind: str, label: str, site: tuple[str, ...], stats,
                  opaque: bool = False):
-        self.kind, self.label, self.site, self.values, self.stats = kind, label, site, values, stats
+        # stats: the RecomputeSanitizer (its values mode, sample_every and counters)
+        self.kind, self.label, self.site, self.stats = kind, label, site, stats
         self.opaque = opaque  # a torch_remat region (see raw_site)
         self.ops: list[OpRecord] = []
         self.recorded = False
@@ -212,7 +252,8 @@ class Replay:
 
     def __init__(self, region: Region):
         self.region = region
-        self.ops: list[OpRecord] = []
+        self._ops = _Ops(region)
+        self.ops: list[OpRecord] = self._ops.records
         self.created: set[int] = set()  # storages of tensors the recompute's ops made
         self.mode = _CompareRecompute(self)
 
@@ -226,6 +267,7 @@ class Replay:
         stopped_early = exc_type is not None and exc_type.__name__ == "_StopRecomputationError"
         if exc_type is not None and not stopped_early:
             return False  # the recompute failed by itself: that error is the news
+        self._ops.finish()
         self._check_values()
         if not stopped_early and len(self.ops) != len(self.region.ops):
             n, forward = len(self.ops), self.region.ops
@@ -236,11 +278,9 @@ class Replay:
 
     # -- side effects --------------------------------------------------------------------------
 
-    def refuse_outside_writes(self, func, args, kwargs) -> None:
-        """Raise, before it runs, if ``func`` writes a tensor this recompute did not create."""
-        written = _written(func)
-        if not written:
-            return
+    def refuse_outside_writes(self, func, written, args, kwargs) -> None:
+        """Raise, before it runs, if ``func`` writes (its arguments ``written``) a tensor this
+        recompute did not create."""
         managed = None
         for index, name in written:
             t = args[index] if index < len(args) else kwargs.get(name)
@@ -256,16 +296,15 @@ class Replay:
 
     # -- comparison ----------------------------------------------------------------------------
 
-    def check(self, func, out) -> None:
+    def check(self, func, out, info: _OpInfo) -> None:
         position = len(self.ops)
         outs = fp.tensors(out)
-        for fresh, t in zip(_fresh(func), outs, strict=False):
+        for fresh, t in zip(info.fresh, outs, strict=False):
             if fresh and t.layout is torch.strided and not t.is_meta:
                 self.created.add(t.untyped_storage()._cdata)
-        mine = _record(func, out, self.region)
+        mine = self._ops.add(func, outs, info)
         if mine is None:
             return
-        self.ops.append(mine)
         self.region.stats.ops_compared += 1
         forward = self.region.ops
         if position >= len(forward):
@@ -289,12 +328,27 @@ class Replay:
         with torch._C._DisableTorchDispatch():
             first, first_inexact = self._first_different_values(upto)
             if first is not None:
-                f, r = forward[first].fingerprint.tolist(), self.ops[first].fingerprint.tolist()
+                f = torch.stack(forward[first].fingerprint).tolist()
+                r = torch.stack(self.ops[first].fingerprint).tolist()
         if first is not None:
             exact = "bitwise" if first < first_inexact else "within the atomics tolerance"
             self._raise("values", first, forward[first],
                         f"values of {forward[first].op} (expected {exact}): (sum, norm) per "
-                        f"output: forward {_pairs(f)}, recompute {_pairs(r)}")
+                        f"output: forward {_pairs(f)}, recompute {_pairs(r)}"
+                        + self._sampled_interval(first))
+
+    def _sampled_interval(self, first: int) -> str:
+        """In ``sampled`` mode: the ops the first difference may be at (after the last op
+        before ``first`` that both sides fingerprinted)."""
+        if self.region.stats.values != "sampled":
+            return ""
+        forward = self.region.ops
+        start = next((i + 1 for i in range(first - 1, -1, -1)
+                      if forward[i].fingerprint is not None
+                      and self.ops[i].fingerprint is not None), 0)
+        return (f" (values sampled: every {self.region.stats.sample_every}th op and each "
+                f"side's last are fingerprinted; the first difference is at one of ops "
+                f"#{start} to #{first})")
 
     def _first_different_values(self, upto: int | None) -> tuple[int | None, int]:
         forward = self.region.ops
@@ -303,16 +357,16 @@ class Replay:
         groups: dict = {}
         for i in range(n):
             f, r = forward[i].fingerprint, self.ops[i].fingerprint
-            if f is None or r is None or f.shape != r.shape or f.device != r.device:
+            if f is None or r is None or len(f) != len(r) or f[0].device != r[0].device:
                 continue
-            groups.setdefault(f.device, []).append(i)
+            groups.setdefault(f[0].device, []).append(i)
         first = None
         for device, indices in groups.items():
-            fwd = torch.cat([forward[i].fingerprint for i in indices])
-            rec = torch.cat([self.ops[i].fingerprint for i in indices])
+            fwd = torch.stack([p for i in indices for p in forward[i].fingerprint])
+            rec = torch.stack([p for i in indices for p in self.ops[i].fingerprint])
             scale = []
             for i in indices:
-                k = forward[i].fingerprint.numel()
+                k = len(forward[i].fingerprint)
                 scale += forward[i].scale if i >= first_inexact else [0.0] * k
             norms = fwd.reshape(-1, 2)[:, 1].repeat_interleave(2)
             tol = torch.tensor(scale, dtype=torch.float64, device=device) * norms
@@ -321,7 +375,7 @@ class Replay:
                 entry = int((~same).nonzero()[0])
                 offsets = [0]
                 for i in indices:
-                    offsets.append(offsets[-1] + forward[i].fingerprint.numel())
+                    offsets.append(offsets[-1] + len(forward[i].fingerprint))
                 op_index = indices[next(j for j in range(len(indices)) if offsets[j + 1] > entry)]
                 first = op_index if first is None else min(first, op_index)
         return first, first_inexact

@@ -49,23 +49,29 @@ __all__ = ["ATOMIC_RTOL", "RecomputeMismatchError", "RecomputeSanitizer", "recom
 _MEGATRON = "megatron.core.tensor_parallel.random"
 
 
+VALUES = ("all", "sampled", "none")
+
+
 @dataclass
 class RecomputeSanitizer:
-    """What ``recompute_sanitizer()`` yields: the checkpoint entries it wraps, and counts of
-    what it checked (regions recorded, recomputes and ops compared)."""
+    """What ``recompute_sanitizer()`` yields: its values mode, the checkpoint entries it wraps,
+    and counts of what it checked (regions recorded, recomputes and ops compared, ops whose
+    values were fingerprinted, forward and recompute together)."""
 
-    values: bool = True
+    values: str = "all"
+    sample_every: int = 8
     wrapped: list[str] = field(default_factory=list)
     regions: int = 0
     recomputes: int = 0
     ops_compared: int = 0
+    fingerprints: int = 0
 
     def _on(self) -> bool:
         return _slot.holds(self)
 
     def region(self, kind: str, fn, opaque: bool = False) -> Region:
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self.values, self, opaque)
+        return Region(kind, label, call_site(), self, opaque)
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -133,13 +139,29 @@ _slot = ActiveSlot("recompute_sanitizer()")
 
 
 @contextlib.contextmanager
-def recompute_sanitizer(values: bool = True) -> Iterator[RecomputeSanitizer]:
+def recompute_sanitizer(values: str | bool = "all",
+                        sample_every: int = 8) -> Iterator[RecomputeSanitizer]:
     """While active, every checkpointed region records its forward's ops and compares each
     recompute with them; the first difference raises ``RecomputeMismatchError`` naming the op,
-    its position in the region, what differs and both call sites. ``values=False`` compares
-    ops and metadata only (no fingerprint kernels). Not reentrant: RuntimeError if active."""
+    its position in the region, what differs and both call sites. Not reentrant: RuntimeError
+    if active.
+
+    ``values``: what of the ops' values is compared, besides every op and its outputs'
+    metadata. ``"all"`` (or True): a fingerprint of every op's outputs, so the error names the
+    first op whose values differ. ``"sampled"``: of every ``sample_every``-th op and of each
+    side's last op -- a difference that reaches the region's output is still caught, and the
+    error names the interval of ops it arose in; the fingerprint kernels drop by that factor.
+    ``"none"`` (or False): no fingerprint kernels. ValueError for anything else."""
+    if values is True or values is False:
+        values = "all" if values else "none"
+    if values not in VALUES:
+        raise ValueError(f"recompute_sanitizer: values must be one of "
+                         f"{', '.join(map(repr, VALUES))} (or True / False), got {values!r}")
+    if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
+        raise ValueError(f"recompute_sanitizer: sample_every must be an int >= 1, got "
+                         f"{sample_every!r}")
     here = call_site()
-    sanitizer = RecomputeSanitizer(values=values)
+    sanitizer = RecomputeSanitizer(values=values, sample_every=sample_every)
     _slot.claim(sanitizer, here)
     patches: list[_Patch] = []
     hook = None
