@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 # Only torch-free modules here: --help, --list and bad arguments answer from repro/catalog.json
 # without importing a repro module (tests/test_cli_imports.py checks sys.modules).
 from repro import catalog
+from repro.harness import forkserver
 from repro.registry import DEVICES, find
 from repro.runner import ReproOutcome, run_repro, skip_reason, skipped_outcome
 
@@ -190,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         jobs = args.jobs or default_jobs(args.device)
 
+    runnable = [n for n in names if skip_reason(repros[n], args.device) is None]
+    # The fork servers start now, their imports overlapping the declaring modules' below.
+    forkserver.prestart(repros[n].forkserver for n in runnable if repros[n].forkserver)
+
     def run_one(name: str) -> ReproOutcome:
         entry = repros[name]
         if (reason := skip_reason(entry, args.device)) is not None:
@@ -205,9 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if jobs == 1:
         outcomes = [run_one(name) for name in names]
     else:
-        for name in names:  # import the declaring modules here, not racing in the threads
-            if skip_reason(repros[name], args.device) is None:
-                find(name, repros[name].module)
+        for name in runnable:  # import the declaring modules here, not racing in the threads
+            find(name, repros[name].module)
         print(f"running up to {jobs} repros side by side (-j {jobs})", file=sys.stderr)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             outcomes = list(pool.map(run_one, names))

@@ -38,6 +38,7 @@ class Entry:
     devices: tuple[str, ...]
     requires: tuple[str, ...]
     precondition: str | None  # "module:function" returning a skip reason or None
+    forkserver: str | None = None  # its children's fork server profile (started early)
 
     def missing_requirements(self) -> list[str]:
         return [m for m in self.requires if importlib.util.find_spec(m.split(".")[0]) is None]
@@ -52,7 +53,8 @@ class Entry:
 def entry(repro, module: str) -> Entry:
     pre = repro.precondition
     return Entry(repro.name, module, repro.summary, tuple(repro.devices), tuple(repro.requires),
-                 f"{pre.__module__}:{pre.__qualname__}" if pre is not None else None)
+                 f"{pre.__module__}:{pre.__qualname__}" if pre is not None else None,
+                 repro.forkserver)
 
 
 def generate() -> dict[str, Entry]:

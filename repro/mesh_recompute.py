@@ -290,24 +290,28 @@ _UPSTREAM = "verl #6950, torchtitan #3565"
 
 REPROS = [
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute",
         summary="forward inside the spmd mesh, backward outside: checkpoint recompute has no mesh",
         run=_unfixed("main"), signatures=_SIGNATURE, devices=("cpu", "cuda"),
         sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute-thread",
         summary="backward on another thread than the forward: recompute sees that thread's (no) mesh",
         run=_unfixed("worker"), signatures=_SIGNATURE, devices=("cpu", "cuda"),
         sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute-device-thread",
         summary="CUDA, multithreading on: recompute runs on the autograd device thread, no mesh",
         run=_unfixed("device-thread"), signatures=_SIGNATURE, devices=("cuda",),
         sanitized_signatures=SANITIZED_SIGNATURES, upstream=_UPSTREAM, timeout=180.0,
     ),
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute-init-thread",
         summary="CUDA, multithreading off at init on main, step on a pool thread: still no mesh",
         run=_unfixed("init-thread"), signatures=_SIGNATURE, devices=("cuda",),

@@ -140,6 +140,7 @@ def run(fixed: bool, device: str) -> None:
 
 REPROS = [
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute-remat",
         summary="torch_remat.checkpoint (torchtitan #4497): replay has no mesh; it takes no "
                 "context_fn, so the fix rides its recompute_state_hooks",

@@ -194,6 +194,7 @@ def run(fixed: bool, device: str) -> None:
 
 REPROS = [
     Repro(
+        forkserver="spmd",  # no megatron-core in its children
         name="mesh-recompute-tp2-block",
         summary="TP=2 column+row-parallel block on spmd_types (gloo / NCCL), backward outside the "
         "mesh: recompute skips its all-reduces, gradients silently wrong",

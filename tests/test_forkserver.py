@@ -40,6 +40,22 @@ def test_the_torchtitan_profile_forks_with_torchtitan_imported():
     assert r.stdout == "True\n", r  # the server started: single-threaded after its imports
 
 
+def test_the_spmd_profile_forks_without_megatron_and_prestart_starts_the_server_it_uses():
+    """``python -m repro`` prestarts its repros' servers (their imports overlap the parent's);
+    the mesh repros' profile preloads no megatron-core, so it is ready sooner."""
+    forkserver.prestart(["spmd"])
+    deadline = time.monotonic() + 120
+    while "spmd" not in forkserver._servers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = forkserver._servers["spmd"]  # the prestart thread's server, starting or ready
+    r = run_isolated(code="import sys; print('spmd_types' in sys.modules, "
+                          "'megatron.core' in sys.modules)", forkserver="spmd", timeout=120)
+    assert r.stdout == "True False\n", r
+    assert forkserver._servers["spmd"] is started  # run() used it, started no other
+    with pytest.raises(ValueError, match=r"unknown fork server profile 'nosuch'; known: "):
+        forkserver.prestart(["nosuch"])
+
+
 def test_off_switch_spawns(monkeypatch):
     monkeypatch.setenv(forkserver.ENV, "0")
     r = run_isolated(code="import sys; print('torch' in sys.modules)", forkserver=True)

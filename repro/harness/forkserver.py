@@ -87,17 +87,20 @@ from repro.harness.isolated_result import IsolatedResult
 
 ENV = "STACKFIX_FORKSERVER"
 # What a server imports once, by profile: what its children spend their start-up on.
-_TORCH = (
+_SPMD = (
     "torch",
     "torch.utils.checkpoint",
     "torch._dynamo",  # imported by the first checkpoint otherwise (~1 s)
     "spmd_types",
-    "megatron.core.tensor_parallel",
     "repro.registry",  # not repro.child: runpy warns when the module it runs is imported
     "repro.harness.sanitize",
 )
+_TORCH = (*_SPMD, "megatron.core.tensor_parallel")
 PRELOADS = {
     "torch": _TORCH,
+    # Children that need no megatron-core (the mesh repros): a server ready ~1 s sooner, which
+    # is most of `python -m repro --only mesh-recompute`'s wait.
+    "spmd": _SPMD,
     # Only for children that import torchtitan themselves: fixes.torchtitan's mesh snapshot,
     # the mesh sanitizer and others look torchtitan up in sys.modules.
     "torchtitan": (*_TORCH, "torchtitan.trainer", "fixes.torchtitan.engine"),
@@ -169,7 +172,20 @@ class _Client:
 _servers: dict[str, _Client] = {}  # the servers this process started, by profile
 _unavailable: dict[str, str] = {}  # profiles whose server failed to start here, and why
 _attached: _Client | None = None  # in a forked child: the server that forked it
-_lock = threading.Lock()
+_locks = {profile: threading.Lock() for profile in PRELOADS}  # one server starts per profile
+
+
+def prestart(profiles) -> None:
+    """Start the servers of ``profiles`` in the background (each on its own thread), so that
+    their imports overlap with the caller's; a later ``run`` waits for them if need be. Does
+    nothing where fork servers are not ``enabled()``."""
+    if not enabled():
+        return
+    for profile in dict.fromkeys(profiles):
+        if profile not in PRELOADS:
+            raise ValueError(f"unknown fork server profile {profile!r}; known: {sorted(PRELOADS)}")
+        threading.Thread(target=_connected, args=(profile,), daemon=True,
+                         name=f"forkserver-prestart-{profile}").start()
 
 
 def attach(conn: socket.socket) -> None:
@@ -193,7 +209,7 @@ def _connected(profile: str) -> _Client | None:
         raise ValueError(f"unknown fork server profile {profile!r}; known: {sorted(PRELOADS)}")
     if attached():
         return _attached
-    with _lock:
+    with _locks[profile]:
         client = _servers.get(profile)
         if client is not None and client.usable():
             return client
