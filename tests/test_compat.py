@@ -319,6 +319,10 @@ def test_ci_workflow_runs_every_combination():
     missing = [c.name for c in COMBINATIONS if f"- {c.name}\n" not in workflow]
     assert not missing, f"ci/compat.yml does not run {missing}"
     assert "schedule:" in workflow and "workflow_dispatch:" in workflow
+    # and whenever a repro, a fix or the matrix's own code changes on main
+    push = workflow.split("push:", 1)[1].split("jobs:", 1)[0]
+    for path in ("repro/**", "fixes/**"):
+        assert f'"{path}"' in push, f"ci/compat.yml: push does not watch {path}"
 
 
 def test_committed_matrix_names_every_repro_of_the_registry():
@@ -330,3 +334,13 @@ def test_committed_matrix_names_every_repro_of_the_registry():
     for combo in matrix.combinations:
         assert combo.failure is not None or combo.installed, f"{combo.name}: no versions recorded"
     assert (COMMITTED / "matrix.md").read_text() == render_markdown(matrix)
+
+
+def test_the_readme_says_which_commit_the_committed_matrix_describes():
+    from repro.compat.render import README_BEGIN, README_END, readme_summary
+
+    matrix = Matrix.from_json(json.loads((COMMITTED / "matrix.json").read_text()))
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+    assert block == readme_summary(matrix), "regenerate with `tox -m compat` (it rewrites both)"
+    assert f"commit `{matrix.commit}`" in block

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from repro.compat.combos import by_name, for_device
 from repro.compat.matrix import Matrix
-from repro.compat.render import render_markdown
+from repro.compat.render import render_markdown, with_readme_summary
 from repro.compat.run import now, repro_summaries, run_combination
 from repro.registry import DEVICES
 
@@ -37,9 +37,14 @@ def _commit() -> str:
 
 
 def write(matrix: Matrix, out: Path) -> None:
+    """matrix.json and matrix.md in ``out``; the committed matrix's also updates the README's
+    line on it (which commit it describes)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.json").write_text(json.dumps(matrix.to_json(), indent=1) + "\n")
     (out / "matrix.md").write_text(render_markdown(matrix))
+    if out.resolve() == DEFAULT_OUT.resolve():
+        readme = REPO / "README.md"
+        readme.write_text(with_readme_summary(readme.read_text(), matrix))
 
 
 def _load(path: Path) -> Matrix:

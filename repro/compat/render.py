@@ -60,3 +60,33 @@ def render_markdown(matrix: Matrix) -> str:
     lines += ["", "Requested (one pip resolver run per combination, torch pinned):", ""]
     lines += [f"- `{c.name}`: `{' '.join(c.requested)}`; verl: {c.verl}" for c in combos]
     return "\n".join(lines) + "\n"
+
+
+README_BEGIN, README_END = "<!-- compat:begin -->", "<!-- compat:end -->"
+
+
+def readme_summary(matrix: Matrix) -> str:
+    """The README's line on the committed matrix: when and from which commit it was made, and
+    its cells counted by status (``python -m repro.compat`` rewrites it with the matrix)."""
+    counts: dict[str, int] = {}
+    for combo in matrix.combinations:
+        for repro in matrix.repros:
+            status = matrix.cell(combo.name, repro).status
+            counts[status] = counts.get(status, 0) + 1
+    words = {"ok": "reproduced · fixed-passed", **_WORDS}
+    tally = ", ".join(f"{counts[s]} {words[s]}" for s in words if counts.get(s))
+    commits = sorted({c.commit for c in matrix.combinations if c.commit})
+    return (f"The committed matrix describes commit `{matrix.commit}` (generated "
+            f"{matrix.generated}; per combination: {', '.join(f'`{c}`' for c in commits)}): "
+            f"{len(matrix.repros)} repros x {len(matrix.combinations)} combinations, {tally}.")
+
+
+def with_readme_summary(readme: str, matrix: Matrix) -> str:
+    """``readme`` with the text between the compat markers replaced by ``readme_summary``;
+    ValueError if the markers are missing."""
+    try:
+        head, rest = readme.split(README_BEGIN, 1)
+        _, tail = rest.split(README_END, 1)
+    except ValueError:
+        raise ValueError(f"README has no {README_BEGIN} ... {README_END} block") from None
+    return f"{head}{README_BEGIN}\n{readme_summary(matrix)}\n{README_END}{tail}"
