@@ -150,6 +150,19 @@ def test_a_list_names_the_sanitizers(pytester, monkeypatch):
         bad.stdout.str() + bad.stderr.str())
 
 
+def test_the_recompute_sanitizers_values_mode_can_be_named(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = _run(pytester, "--stackfix-sanitize=storage,recompute:sampled", "-rA",
+                  "-k", "side_effect or clean")
+    result.assert_outcomes(passed=1, failed=1)  # a side effect is caught in every mode
+    result.stdout.fnmatch_lines([
+        "stackfix sanitizers: storage_sanitizer, recompute_sanitizer (values=sampled)"])
+    for bad, says in (("recompute:some", "recompute's mode must be one of all, sampled, none"),
+                      ("storage:sampled", "only recompute takes a mode")):
+        out = _run(pytester, f"--stackfix-sanitize={bad}")
+        assert out.ret != 0 and says in out.stdout.str() + out.stderr.str(), bad
+
+
 def test_off_by_default(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     # Without the flag the freed read would crash the session: run only the harmless tests.

@@ -1,7 +1,8 @@
 """pytest plugin: ``pytest --stackfix-sanitize`` runs every test under ``storage_sanitizer()``
 and, where spmd_types imports, ``mesh_sanitizer()``. Off unless the flag is given.
 ``--stackfix-sanitize=storage,mesh,recompute`` names the sanitizers (any of ``SANITIZERS``;
-``recompute`` is ``recompute_sanitizer()``); the bare flag is ``storage,mesh``.
+``recompute`` is ``recompute_sanitizer()``, ``recompute:sampled`` / ``recompute:none`` its
+cheaper values modes); the bare flag is ``storage,mesh``.
 
 Registered through the ``pytest11`` entry point of the stackfix distribution (so any suite in an
 environment with stackfix installed has the flag); without installing, load it with
@@ -22,6 +23,7 @@ import pytest
 OPTION = "--stackfix-sanitize"
 SANITIZERS = ("storage", "mesh", "recompute")
 DEFAULT = ("storage", "mesh")
+RECOMPUTE_MODES = ("all", "sampled", "none")  # recompute_sanitizer(values=...)
 # For tests that enter the sanitizers themselves (they refuse to be nested): left unwrapped.
 MARKER = "no_stackfix_sanitize"
 MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, so "
@@ -29,25 +31,38 @@ MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, s
 _MESH_KEY = pytest.StashKey[str | None]()  # None: mesh sanitizer on; else why it is off
 
 
-def _sanitizer_names(value: str | None) -> tuple[str, ...]:
+def _sanitizers(value: str | None) -> dict[str, str | None]:
+    """name -> mode (recompute's values mode, or None) of each sanitizer ``value`` names."""
     if value is None:
-        return ()
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    unknown = [n for n in names if n not in SANITIZERS]
-    if unknown or not names:
+        return {}
+    chosen: dict[str, str | None] = {}
+    for item in filter(None, (n.strip() for n in value.split(","))):
+        name, _, mode = item.partition(":")
+        if name not in SANITIZERS:
+            chosen = {}
+            break
+        if mode and name != "recompute":
+            raise pytest.UsageError(f"{OPTION}={value}: {item!r}: only recompute takes a mode")
+        if name == "recompute" and mode not in ("", *RECOMPUTE_MODES):
+            raise pytest.UsageError(f"{OPTION}={value}: {item!r}: recompute's mode must be one "
+                                    f"of {', '.join(RECOMPUTE_MODES)}")
+        chosen[name] = mode or ("all" if name == "recompute" else None)
+    if not chosen:
         raise pytest.UsageError(f"{OPTION}={value}: {value!r} is not a comma-separated list "
-                                f"of {', '.join(SANITIZERS)}")
-    return names
+                                f"of {', '.join(SANITIZERS)} (recompute:MODE: one of "
+                                f"{', '.join(RECOMPUTE_MODES)})")
+    return chosen
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("stackfix").addoption(
         OPTION, nargs="?", const=",".join(DEFAULT), default=None,
-        metavar="storage,mesh,recompute",
+        metavar="storage,mesh,recompute[:all|sampled|none]",
         help="run each test under fixes.sanitize's sanitizers: storage (a read of memory that "
         "UntypedStorage.resize_ released raises ReleasedStorageError), mesh, where spmd_types "
         "imports (no spmd mesh in checkpoint recompute raises MeshLostError), recompute (a "
-        "checkpoint recompute that differs from its forward raises RecomputeMismatchError). "
+        "checkpoint recompute that differs from its forward raises RecomputeMismatchError; "
+        "recompute:sampled fingerprints every 8th op's values, recompute:none none). "
         "Without a value: storage,mesh",
     )
 
@@ -61,8 +76,8 @@ def pytest_load_initial_conftests(early_config, parser, args: list[str]) -> None
     args[:] = [f"{OPTION}={','.join(DEFAULT)}" if a == OPTION else a for a in args]
 
 
-def _enabled(config: pytest.Config) -> tuple[str, ...]:
-    return _sanitizer_names(config.getoption(OPTION))
+def _enabled(config: pytest.Config) -> dict[str, str | None]:
+    return _sanitizers(config.getoption(OPTION))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,7 +101,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         if name not in names:
             continue
         why_not = config.stash[_MESH_KEY] if name == "mesh" else None
-        parts.append(f"{name}_sanitizer" + (f" off ({why_not})" if why_not else ""))
+        mode = names[name] if names[name] not in (None, "all") else None
+        parts.append(f"{name}_sanitizer" + (f" off ({why_not})" if why_not else "")
+                     + (f" (values={mode})" if mode else ""))
     return f"stackfix sanitizers: {', '.join(parts)}"
 
 
@@ -106,7 +123,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
                         f"mark the test @pytest.mark.{MARKER} to enter the sanitizers itself"):
             for name in SANITIZERS:
                 if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
-                    stack.enter_context(getattr(sanitize, f"{name}_sanitizer")())
+                    kwargs = {"values": names[name]} if name == "recompute" else {}
+                    stack.enter_context(getattr(sanitize, f"{name}_sanitizer")(**kwargs))
         return (yield)
 
 
