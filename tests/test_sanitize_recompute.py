@@ -275,6 +275,26 @@ def test_sampled_values_find_a_difference_within_one_sample_interval(values, at,
         assert f"the first difference is at one of {interval}" in str(caught.value)
 
 
+def test_sampled_values_fingerprint_non_reentrant_regions_in_full():
+    """A non-reentrant recompute stops after the last saved tensor (here the mul: sin saves
+    its input), so it never reaches the forward's last op: sampling would compare position 0
+    alone and miss a changed scale. Such regions (torch_remat's too) are fingerprinted in full
+    in the sampled mode; the reentrant ones, whose recompute runs to the end, are sampled."""
+    state = {"scale": 1.0}
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x):
+        return (torch.relu(lin(x)) * state["scale"]).sin()
+
+    with pytest.raises(RecomputeMismatchError) as caught, \
+            recompute_sanitizer(values="sampled", sample_every=8):
+        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+        state["scale"] = 2.0
+        y.backward()
+    assert caught.value.what == "values" and caught.value.op == "aten.mul.Tensor"
+    assert "values sampled" not in str(caught.value)  # named exactly, not as an interval
+
+
 @pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),
                                              (True, 24), (False, 0)])
 def test_each_values_mode_fingerprints_what_it_says(values, expected):

@@ -117,7 +117,7 @@ class _Ops:
 
     def __init__(self, region: Region):
         self.region, self.records = region, []
-        self.mode, self.every = region.stats.values, region.stats.sample_every
+        self.mode, self.every = region.values, region.stats.sample_every
         self.last: tuple | None = None  # (record, func, valued outputs) not fingerprinted yet
 
     def add(self, func, outs: list[torch.Tensor], info: _OpInfo) -> OpRecord | None:
@@ -199,9 +199,14 @@ class Region:
     """One call of a checkpoint: its forward's ops, and the recomputes compared with them."""
 
     def __init__(self, kind: str, label: str, site: tuple[str, ...], stats,
-                 opaque: bool = False):
+                 opaque: bool = False, replays_to_end: bool = True):
         # stats: the RecomputeSanitizer (its values mode, sample_every and counters)
         self.kind, self.label, self.site, self.stats = kind, label, site, stats
+        # The values mode of this region: "sampled" only where every recompute runs the region
+        # to its end (reentrant checkpoints). A non-reentrant recompute stops after the last
+        # saved tensor, short of the forward's last op, so sampling could leave nothing but
+        # position 0 to compare: those regions are fingerprinted in full.
+        self.values = "all" if stats.values == "sampled" and not replays_to_end else stats.values
         self.opaque = opaque  # a torch_remat region (see raw_site)
         self.ops: list[OpRecord] = []
         self.recorded = False
@@ -340,7 +345,7 @@ class Replay:
     def _sampled_interval(self, first: int) -> str:
         """In ``sampled`` mode: the ops the first difference may be at (after the last op
         before ``first`` that both sides fingerprinted)."""
-        if self.region.stats.values != "sampled":
+        if self.region.values != "sampled":
             return ""
         forward = self.region.ops
         start = next((i + 1 for i in range(first - 1, -1, -1)

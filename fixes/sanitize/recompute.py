@@ -69,9 +69,10 @@ class RecomputeSanitizer:
     def _on(self) -> bool:
         return _slot.holds(self)
 
-    def region(self, kind: str, fn, opaque: bool = False) -> Region:
+    def region(self, kind: str, fn, opaque: bool = False,
+               replays_to_end: bool = True) -> Region:
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self, opaque)
+        return Region(kind, label, call_site(), self, opaque, replays_to_end)
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -81,9 +82,10 @@ class RecomputeSanitizer:
                 return (yield from original(fn, *rest, **kwargs))
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith("torch_remat"):
-                region = self.region("torch_remat", fn, opaque=True)
+                region = self.region("torch_remat", fn, opaque=True, replays_to_end=False)
             else:
-                region = self.region("torch.utils.checkpoint, non-reentrant", fn)
+                region = self.region("torch.utils.checkpoint, non-reentrant", fn,
+                                     replays_to_end=False)
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
             try:
@@ -151,6 +153,9 @@ def recompute_sanitizer(values: str | bool = "all",
     first op whose values differ. ``"sampled"``: of every ``sample_every``-th op and of each
     side's last op -- a difference that reaches the region's output is still caught, and the
     error names the interval of ops it arose in; the fingerprint kernels drop by that factor.
+    It applies to regions whose recompute runs to the end (reentrant checkpoints: torch's
+    ``use_reentrant=True``, megatron-core's); non-reentrant and torch_remat regions, whose
+    recompute stops after the last saved tensor, are fingerprinted in full.
     ``"none"`` (or False): no fingerprint kernels. ValueError for anything else."""
     if values is True or values is False:
         values = "all" if values else "none"
