@@ -295,6 +295,34 @@ def test_sampled_values_fingerprint_non_reentrant_regions_in_full():
     assert "values sampled" not in str(caught.value)  # named exactly, not as an interval
 
 
+def test_a_non_reentrant_region_is_sampled_once_its_stop_is_known():
+    """The first recompute at a call site says where a non-reentrant recompute stops; later
+    forwards there fingerprint that op besides the samples, so they are sampled, and a change
+    read before the stop is still caught."""
+    state = {"scale": 1.0}
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):  # 12 ops, then a sin whose input is the last saved tensor
+        h = x @ w
+        for i in range(10):
+            h = h * state["scale"] if i == 8 else h.cos()
+        return h.sin()
+
+    def step(change: bool = False):
+        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+        state["scale"] = 2.0 if change else 1.0
+        y.backward()
+        state["scale"] = 1.0
+
+    with recompute_sanitizer(values="sampled", sample_every=4) as sanitizer:
+        step()  # the stop is unknown: in full
+        first = sanitizer.fingerprints
+        step()
+        assert sanitizer.fingerprints - first < first / 2
+        with pytest.raises(RecomputeMismatchError, match=r"the first difference is at one of"):
+            step(change=True)
+
+
 @pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),
                                              (True, 24), (False, 0)])
 def test_each_values_mode_fingerprints_what_it_says(values, expected):

@@ -112,12 +112,13 @@ def _subclass_dispatch(types):
 class _Ops:
     """The ops one side of a region ran (its forward, or one recompute), with the value
     fingerprints its mode asks for: every op's (``all``), none (``none``), or (``sampled``)
-    those at positions ``0, n, 2n, ...`` and the side's last op, whose outputs are held until
-    the next op is recorded or the side ends (``finish``) -- one op's outputs, briefly."""
+    those at positions ``0, n, 2n, ...``, the region's known ``stop`` and the side's last op,
+    whose outputs are held until the next op is recorded or the side ends (``finish``) -- one
+    op's outputs, briefly."""
 
     def __init__(self, region: Region):
         self.region, self.records = region, []
-        self.mode, self.every = region.values, region.stats.sample_every
+        self.mode, self.every, self.stop = region.values, region.stats.sample_every, region.stop
         self.last: tuple | None = None  # (record, func, valued outputs) not fingerprinted yet
 
     def add(self, func, outs: list[torch.Tensor], info: _OpInfo) -> OpRecord | None:
@@ -130,7 +131,7 @@ class _Ops:
         if self.mode == "none":
             return record
         valued = fp.valued_outputs(func, outs, info.keep)
-        if self.mode == "all" or position % self.every == 0:
+        if self.mode == "all" or position % self.every == 0 or position == self.stop:
             self._fingerprint(record, func, valued)
             self.last = None
         else:
@@ -202,11 +203,19 @@ class Region:
                  opaque: bool = False, replays_to_end: bool = True):
         # stats: the RecomputeSanitizer (its values mode, sample_every and counters)
         self.kind, self.label, self.site, self.stats = kind, label, site, stats
-        # The values mode of this region: "sampled" only where every recompute runs the region
-        # to its end (reentrant checkpoints). A non-reentrant recompute stops after the last
-        # saved tensor, short of the forward's last op, so sampling could leave nothing but
-        # position 0 to compare: those regions are fingerprinted in full.
-        self.values = "all" if stats.values == "sampled" and not replays_to_end else stats.values
+        # The values mode of this region. A non-reentrant recompute stops after the last saved
+        # tensor, short of the forward's last op, so sampling alone could leave nothing but
+        # position 0 to compare: such a region is sampled only once a recompute at its call
+        # site said where it stops (``stop``: that op is fingerprinted too); until then, in
+        # full. Reentrant recomputes run to the end: sampled from the first.
+        self.key = None if replays_to_end else (kind, label, site[:1])  # the checkpoint call
+        self.stop: int | None = None
+        self.values = stats.values
+        if stats.values == "sampled" and self.key is not None:
+            if self.key in stats.stops:
+                self.stop = stats.stops[self.key]
+            else:
+                self.values = "all"
         self.opaque = opaque  # a torch_remat region (see raw_site)
         self.ops: list[OpRecord] = []
         self.recorded = False
@@ -273,6 +282,8 @@ class Replay:
         if exc_type is not None and not stopped_early:
             return False  # the recompute failed by itself: that error is the news
         self._ops.finish()
+        if self.region.key is not None:  # where this call site's recomputes stop (or None)
+            self.region.stats.stops[self.region.key] = len(self.ops) - 1 if stopped_early else None
         self._check_values()
         if not stopped_early and len(self.ops) != len(self.region.ops):
             n, forward = len(self.ops), self.region.ops

@@ -65,6 +65,9 @@ class RecomputeSanitizer:
     recomputes: int = 0
     ops_compared: int = 0
     fingerprints: int = 0
+    # sampled mode: per non-reentrant call site, the op its last recompute stopped at (None:
+    # it ran to the end); see _region.Region
+    stops: dict = field(default_factory=dict)
 
     def _on(self) -> bool:
         return _slot.holds(self)
@@ -153,9 +156,10 @@ def recompute_sanitizer(values: str | bool = "all",
     first op whose values differ. ``"sampled"``: of every ``sample_every``-th op and of each
     side's last op -- a difference that reaches the region's output is still caught, and the
     error names the interval of ops it arose in; the fingerprint kernels drop by that factor.
-    It applies to regions whose recompute runs to the end (reentrant checkpoints: torch's
-    ``use_reentrant=True``, megatron-core's); non-reentrant and torch_remat regions, whose
-    recompute stops after the last saved tensor, are fingerprinted in full.
+    Reentrant regions (torch's ``use_reentrant=True``, megatron-core's) are sampled from the
+    first; a non-reentrant or torch_remat recompute stops after the last saved tensor, short of
+    the forward's last op, so such a region is fingerprinted in full until a recompute at its
+    call site has said where it stops, and sampled with that op after.
     ``"none"`` (or False): no fingerprint kernels. ValueError for anything else."""
     if values is True or values is False:
         values = "all" if values else "none"
