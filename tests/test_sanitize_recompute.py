@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+from fixes.sanitize import RecomputeMismatchError, _region, recompute_sanitizer
 from repro import run_isolated
 
 pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
@@ -275,11 +275,12 @@ def test_sampled_values_find_a_difference_within_one_sample_interval(values, at,
         assert f"the first difference is at one of {interval}" in str(caught.value)
 
 
-def test_sampled_values_fingerprint_non_reentrant_regions_in_full():
+def test_sampled_values_fingerprint_non_reentrant_regions_in_full(monkeypatch):
     """A non-reentrant recompute stops after the last saved tensor (here the mul: sin saves
     its input), so it never reaches the forward's last op: sampling would compare position 0
     alone and miss a changed scale. Such regions (torch_remat's too) are fingerprinted in full
     in the sampled mode; the reentrant ones, whose recompute runs to the end, are sampled."""
+    monkeypatch.setattr(_region, "STOPS", {})  # no stop learned by an earlier run here
     state = {"scale": 1.0}
     lin = torch.nn.Linear(8, 8)
 
@@ -295,10 +296,11 @@ def test_sampled_values_fingerprint_non_reentrant_regions_in_full():
     assert "values sampled" not in str(caught.value)  # named exactly, not as an interval
 
 
-def test_a_non_reentrant_region_is_sampled_once_its_stop_is_known():
+def test_a_non_reentrant_region_is_sampled_once_its_stop_is_known(monkeypatch):
     """The first recompute at a call site says where a non-reentrant recompute stops; later
     forwards there fingerprint that op besides the samples, so they are sampled, and a change
     read before the stop is still caught."""
+    monkeypatch.setattr(_region, "STOPS", {})
     state = {"scale": 1.0}
     w = torch.randn(8, 8, requires_grad=True)
 

@@ -196,6 +196,12 @@ class _CompareRecompute(_RegionMode):
         return out
 
 
+# Per non-reentrant checkpoint call (kind, label, call line): the op its last recompute
+# stopped at, None if it ran to the end. Process-wide: what it records is the code's, not one
+# sanitizer's (a training loop may enter a sanitizer per step).
+STOPS: dict[tuple, int | None] = {}
+
+
 class Region:
     """One call of a checkpoint: its forward's ops, and the recomputes compared with them."""
 
@@ -212,8 +218,8 @@ class Region:
         self.stop: int | None = None
         self.values = stats.values
         if stats.values == "sampled" and self.key is not None:
-            if self.key in stats.stops:
-                self.stop = stats.stops[self.key]
+            if self.key in STOPS:
+                self.stop = STOPS[self.key]
             else:
                 self.values = "all"
         self.opaque = opaque  # a torch_remat region (see raw_site)
@@ -283,7 +289,7 @@ class Replay:
             return False  # the recompute failed by itself: that error is the news
         self._ops.finish()
         if self.region.key is not None:  # where this call site's recomputes stop (or None)
-            self.region.stats.stops[self.region.key] = len(self.ops) - 1 if stopped_early else None
+            STOPS[self.region.key] = len(self.ops) - 1 if stopped_early else None
         self._check_values()
         if not stopped_early and len(self.ops) != len(self.region.ops):
             n, forward = len(self.ops), self.region.ops
@@ -362,7 +368,8 @@ class Replay:
         start = next((i + 1 for i in range(first - 1, -1, -1)
                       if forward[i].fingerprint is not None
                       and self.ops[i].fingerprint is not None), 0)
-        return (f" (values sampled: every {self.region.stats.sample_every}th op and each "
+        stop = "" if self.region.stop is None else f", the recompute's known stop #{self.region.stop}"
+        return (f" (values sampled: every {self.region.stats.sample_every}th op{stop} and each "
                 f"side's last are fingerprinted; the first difference is at one of ops "
                 f"#{start} to #{first})")
 

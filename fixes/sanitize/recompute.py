@@ -65,9 +65,6 @@ class RecomputeSanitizer:
     recomputes: int = 0
     ops_compared: int = 0
     fingerprints: int = 0
-    # sampled mode: per non-reentrant call site, the op its last recompute stopped at (None:
-    # it ran to the end); see _region.Region
-    stops: dict = field(default_factory=dict)
 
     def _on(self) -> bool:
         return _slot.holds(self)
@@ -159,7 +156,8 @@ def recompute_sanitizer(values: str | bool = "all",
     Reentrant regions (torch's ``use_reentrant=True``, megatron-core's) are sampled from the
     first; a non-reentrant or torch_remat recompute stops after the last saved tensor, short of
     the forward's last op, so such a region is fingerprinted in full until a recompute at its
-    call site has said where it stops, and sampled with that op after.
+    checkpoint call (in this process, under any sanitizer) has said where it stops, and
+    sampled with that op after.
     ``"none"`` (or False): no fingerprint kernels. ValueError for anything else."""
     if values is True or values is False:
         values = "all" if values else "none"
