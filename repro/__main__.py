@@ -191,16 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         jobs = args.jobs or default_jobs(args.device)
 
-    runnable = [n for n in names if skip_reason(repros[n], args.device) is None]
+    # Known before any import or child (the catalog): why a repro cannot run here, or None.
+    reasons = {n: skip_reason(repros[n], args.device) for n in names}
+    runnable = [n for n in names if reasons[n] is None]
     # The fork servers start now, their imports overlapping the declaring modules' below.
     forkserver.prestart(repros[n].forkserver for n in runnable if repros[n].forkserver)
 
     def run_one(name: str) -> ReproOutcome:
-        entry = repros[name]
-        if (reason := skip_reason(entry, args.device)) is not None:
-            o = skipped_outcome(name, args.device, reason, args.sanitize)  # no import, no child
+        if reasons[name] is not None:  # no import, no child
+            o = skipped_outcome(name, args.device, reasons[name], args.sanitize)
         else:
-            o = run_repro(find(name, entry.module), args.device, sanitized=args.sanitize)
+            o = run_repro(find(name, repros[name].module), args.device, sanitized=args.sanitize)
         print(f"[{o.status}] {name} ({args.device}{', sanitized' if args.sanitize else ''})",
               file=sys.stderr, flush=True)
         return o
