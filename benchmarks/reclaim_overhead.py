@@ -54,24 +54,22 @@ def _install_timers() -> tuple[list[int], list[int]]:
     own = installed.__wrapped__
     cell = next(c for c in installed.__closure__ if c.cell_contents is own)
     outer, inner = [], []
-
-    def timed_own(ctx, *grads):
-        t0 = time.perf_counter_ns()
-        try:
-            return own(ctx, *grads)
-        finally:
-            inner.append(time.perf_counter_ns() - t0)
-
-    def timed_installed(ctx, *grads):
-        t0 = time.perf_counter_ns()
-        try:
-            return installed(ctx, *grads)
-        finally:
-            outer.append(time.perf_counter_ns() - t0)
-
-    cell.cell_contents = timed_own
-    TARGET.backward = staticmethod(timed_installed)
+    cell.cell_contents = _timed(own, inner)
+    TARGET.backward = staticmethod(_timed(installed, outer))
     return outer, inner
+
+
+def _timed(backward, into: list[int]):
+    """``backward``, appending the ns of each call to ``into``."""
+
+    def timed(ctx, *grads):
+        t0 = time.perf_counter_ns()
+        try:
+            return backward(ctx, *grads)
+        finally:
+            into.append(time.perf_counter_ns() - t0)
+
+    return timed
 
 
 def measure(case: str, checkpoints: int, steps: int) -> dict:
