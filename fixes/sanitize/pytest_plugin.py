@@ -35,12 +35,14 @@ def _sanitizers(value: str | None) -> dict[str, str | None]:
     """name -> mode (recompute's values mode, or None) of each sanitizer ``value`` names."""
     if value is None:
         return {}
+    not_a_list = pytest.UsageError(
+        f"{OPTION}={value}: {value!r} is not a comma-separated list of {', '.join(SANITIZERS)} "
+        f"(recompute:MODE: one of {', '.join(RECOMPUTE_MODES)})")
     chosen: dict[str, str | None] = {}
     for item in filter(None, (n.strip() for n in value.split(","))):
         name, _, mode = item.partition(":")
         if name not in SANITIZERS:
-            chosen = {}
-            break
+            raise not_a_list
         if mode and name != "recompute":
             raise pytest.UsageError(f"{OPTION}={value}: {item!r}: only recompute takes a mode")
         if name == "recompute" and mode not in ("", *RECOMPUTE_MODES):
@@ -48,9 +50,7 @@ def _sanitizers(value: str | None) -> dict[str, str | None]:
                                     f"of {', '.join(RECOMPUTE_MODES)}")
         chosen[name] = mode or ("all" if name == "recompute" else None)
     if not chosen:
-        raise pytest.UsageError(f"{OPTION}={value}: {value!r} is not a comma-separated list "
-                                f"of {', '.join(SANITIZERS)} (recompute:MODE: one of "
-                                f"{', '.join(RECOMPUTE_MODES)})")
+        raise not_a_list
     return chosen
 
 
