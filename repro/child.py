@@ -7,7 +7,9 @@ Runs one repro in this interpreter. An exception is printed and reported on a ma
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 import traceback
 
 from repro.harness.sanitize import sanitizers_from_env
@@ -16,6 +18,8 @@ from repro.registry import (
     EXCEPTION_MARKER,
     SKIP_EXIT_CODE,
     SKIP_MARKER,
+    TIMES_ENV,
+    TIMES_MARKER,
     Skipped,
     exception_report,
     find,
@@ -31,7 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--module", help="the module declaring NAME (default: discover them all)")
     args = parser.parse_args(argv)
+    entered = time.time()
     repro = find(args.name, args.module)
+    found = time.time()
+    try:
+        return _run(repro, args)
+    finally:
+        if os.environ.get(TIMES_ENV) == "1":  # benchmarks/child_phases.py: where the time goes
+            print(TIMES_MARKER + f"entered={entered} found={found} ran={time.time()}", flush=True)
+
+
+def _run(repro, args) -> int:
     try:
         with sanitizers_from_env():  # STACKFIX_SANITIZE=1 (python -m repro --sanitize)
             repro.run(args.fixed, args.device)

@@ -22,6 +22,10 @@ from repro.harness.sanitize import NAMES as SANITIZER_NAMES
 DEVICES = ("cpu", "cuda")
 EXCEPTION_MARKER = "REPRO-EXCEPTION "
 SKIP_MARKER = "REPRO-SKIPPED "
+# With STACKFIX_CHILD_TIMES=1 a child that ends by itself prints, on stdout, when it entered
+# main, had imported the repro's module and ended its run (time.time(); benchmarks/child_phases.py).
+TIMES_ENV = "STACKFIX_CHILD_TIMES"
+TIMES_MARKER = "REPRO-TIMES "
 SKIP_EXIT_CODE = 77  # the child's exit status for "could not run here" (automake's skip code)
 
 
