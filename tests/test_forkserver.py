@@ -211,9 +211,18 @@ def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
 
 # A sitecustomize on the server's PYTHONPATH stands in for what a preload does at import time:
 # register an atexit handler (megatron-core's wandb registers TemporaryDirectory cleanups), or
-# hang. It acts only in the server (STACKFIX_T_ROLE=server); children get role "child".
+# hang, or start a thread (on a CUDA machine importing megatron.core starts a CUDA driver
+# thread). It acts only in the server (STACKFIX_T_ROLE=server); children get role "child".
 SITECUSTOMIZE = """
-import atexit, os, time
+import atexit, importlib, os, threading, time
+if os.environ.get("STACKFIX_T_ROLE") == "server" and os.environ.get("STACKFIX_T_THREAD_AFTER"):
+    _import_module = importlib.import_module
+    def _import_then_thread(name, package=None):
+        module = _import_module(name, package)
+        if name == os.environ["STACKFIX_T_THREAD_AFTER"]:
+            threading.Thread(target=time.sleep, args=(600,), daemon=True, name="driver").start()
+        return module
+    importlib.import_module = _import_then_thread
 if os.environ.get("STACKFIX_T_ROLE") == "server":
     marks = os.environ["STACKFIX_T_MARKS"]
     with open(os.path.join(marks, "server"), "w") as f:
@@ -281,6 +290,22 @@ def test_a_hung_preload_is_killed_reported_and_children_are_spawned(
     start = time.monotonic()  # the next request does not wait for a server again
     r = run_isolated(code="print(1)", forkserver=True, env=child, timeout=120)
     assert r.stdout == "1\n" and time.monotonic() - start < 30
+
+
+def test_a_preload_that_starts_a_thread_is_left_to_the_children(server_with_sitecustomize,
+                                                                 monkeypatch):
+    # As megatron.core on a CUDA machine: the server cannot fork after it, so it restarts with
+    # the preloads before it, says so, and its children import that module themselves.
+    monkeypatch.setenv("STACKFIX_T_THREAD_AFTER", "spmd_types")
+    code = ("import os, sys; print('torch' in sys.modules, 'spmd_types' in sys.modules, "
+            "len(os.listdir('/proc/self/task'))); import spmd_types; print('imported')")
+    with pytest.warns(RuntimeWarning, match=r"importing spmd_types left it unable to fork "
+                      r"\(the fork server has 2 threads, not 1: \S+, \S+\); it preloads only "
+                      r"the 3 modules before it"):
+        r = run_isolated(code=code, forkserver="spmd", env={"STACKFIX_T_ROLE": "child"},
+                         timeout=120)
+    assert r.ok and r.stdout == "True False 1\nimported\n", r
+    assert "spmd" not in forkserver._unavailable
 
 
 def test_shared_types_live_in_a_leaf_module_the_fork_server_does_not_import_isolated():

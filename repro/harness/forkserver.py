@@ -12,7 +12,11 @@ survive a fork. The server therefore
 * is single-threaded, checked before every fork (``/proc/self/task``). Two imports would start
   a thread; the server imports under ``_SERVER_ENV``, which stops both: numpy's OpenBLAS pool
   (``OPENBLAS_NUM_THREADS=1``) and pyarrow's jemalloc background thread (torchtitan imports
-  datasets; ``JE_ARROW_MALLOC_CONF=background_thread:false``);
+  datasets; ``JE_ARROW_MALLOC_CONF=background_thread:false``). A preload that starts one
+  anyway (on a CUDA machine, importing megatron.core leaves a CUDA driver thread, the
+  interpreter's second) is found by the check after each preload: the server is restarted
+  with the preloads before it, and a RuntimeWarning names the module and its threads; that
+  profile's children import it (and what follows it) themselves;
 * never runs a torch op and never initialises CUDA (it only imports; checked before every
   fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools start lazily in each
   child, sized by the child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``
@@ -130,11 +134,13 @@ class _Client:
         self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
 
     @classmethod
-    def start(cls, profile: str) -> _Client:
+    def start(cls, profile: str, upto: int | None = None) -> _Client:
+        """A server with the profile's first ``upto`` preloads (all: None); ``UnsafePreload``
+        when one of them leaves it unable to fork, OSError when it does not start."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, **_SERVER_ENV)
         code = (f"from repro.harness.forkserver_process import serve; "
-                f"serve({theirs.fileno()}, {profile!r})")
+                f"serve({theirs.fileno()}, {profile!r}, {upto!r})")
         proc = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -158,15 +164,44 @@ class _Client:
             except ProcessLookupError:
                 pass
             proc.wait()
+            if ready and ready.startswith(b"{"):
+                raise UnsafePreload(profile, json.loads(ready))
             if ready is None:
                 why = f"not ready after {_READY_TIMEOUT:g} s (its imports hung?); killed it"
             else:
                 why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
             raise OSError(f"fork server (profile {profile!r}) {why}")
-        return cls(mine, proc.pid, proc)
+        client = cls(mine, proc.pid, proc)
+        client.preloads = PRELOADS[profile][:upto]  # what its children have imported
+        return client
 
     def usable(self) -> bool:
         return self.pid == os.getpid() and (self.proc is None or self.proc.poll() is None)
+
+
+class UnsafePreload(OSError):
+    """A preload left the server unable to fork (a thread it started, CUDA initialised): the
+    server's report, with the index of that preload in its profile."""
+
+    def __init__(self, profile: str, report: dict):
+        self.index, self.module = report["unsafe_after"], report["module"]
+        super().__init__(f"fork server (profile {profile!r}): importing {self.module} left it "
+                         f"unable to fork ({report['why']}: {', '.join(report['threads'])})")
+
+
+def _start(profile: str) -> _Client:
+    """A server for ``profile``; where one of its preloads leaves it unable to fork (on a CUDA
+    machine ``megatron.core`` starts a CUDA driver thread at import), one with the preloads
+    before it, with a RuntimeWarning naming the module: its children import that module and
+    the rest themselves. OSError when neither starts."""
+    try:
+        return _Client.start(profile)
+    except UnsafePreload as exc:
+        if exc.index == 0:
+            raise
+        warnings.warn(f"{exc}; it preloads only the {exc.index} modules before it, and its "
+                      "children import the rest themselves", RuntimeWarning, stacklevel=4)
+        return _Client.start(profile, upto=exc.index)
 
 
 _servers: dict[str, _Client] = {}  # the servers this process started, by profile
@@ -216,7 +251,7 @@ def _connected(profile: str) -> _Client | None:
         if profile in _unavailable:
             return None
         try:
-            _servers[profile] = client = _Client.start(profile)
+            _servers[profile] = client = _start(profile)
         except OSError as exc:
             _servers.pop(profile, None)
             _unavailable[profile] = str(exc)

@@ -26,14 +26,30 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _preload(profile: str) -> None:
-    for name in forkserver.PRELOADS[profile]:
+def _preload(profile: str, upto: int | None) -> dict | None:
+    """Import the profile's first ``upto`` preloads (all: None), checking after each that the
+    server can still fork; the first one after which it cannot is reported (its index and why)."""
+    for index, name in enumerate(forkserver.PRELOADS[profile][:upto]):
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # optional and not installed: the children that need it skip
         try:
             importlib.import_module(name)
         except ImportError:
             continue  # a child importing it sees the same error itself
+        if (why := _unsafe_to_fork()) is not None:
+            return {"unsafe_after": index, "module": name, "why": why, "threads": _thread_names()}
+    return None
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # it has ended
+    return names
 
 
 def _unsafe_to_fork() -> str | None:
@@ -45,11 +61,15 @@ def _unsafe_to_fork() -> str | None:
     return None
 
 
-def serve(fd: int, profile: str) -> None:
-    """The server's main loop (``fd``: its end of the client's socket pair). Each child gets a
-    connection of its own to this loop; the server exits when the client's closes."""
+def serve(fd: int, profile: str, upto: int | None = None) -> None:
+    """The server's main loop (``fd``: its end of the client's socket pair), after importing
+    the profile's first ``upto`` preloads. Each child gets a connection of its own to this
+    loop; the server exits when the client's closes. A preload that leaves the server unable
+    to fork is reported (JSON: ``unsafe_after`` and why) and the server exits."""
     root = socket.socket(fileno=fd)
-    _preload(profile)
+    if (unsafe := _preload(profile, upto)) is not None:
+        root.send(json.dumps(unsafe).encode())
+        return
     if (why := _unsafe_to_fork()) is not None:
         root.send(why.encode())
         return
