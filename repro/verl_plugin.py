@@ -39,7 +39,9 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -172,6 +174,9 @@ def _reclaim_scenario(late: bool) -> None:
 # --- Ray ----------------------------------------------------------------------------------------
 
 
+RAY_TMPDIR_ROOM = 107 - 66  # the longest RAY_TMPDIR whose socket paths fit AF_UNIX
+
+
 def _ray_scenario() -> None:
     import ray
 
@@ -189,12 +194,21 @@ def _ray_scenario() -> None:
             return {"pid": os.getpid(), "verl": verl.__version__, "plugin": _plugin_state(),
                     "installed": _installed_reclaim()}
 
+    # Ray's sockets lie 66 bytes below its temp dir ("ray/session_<date>_<time>_<pid>/sockets/
+    # plasma_store") and an AF_UNIX path ends at 107 bytes, so a temp dir of a deep checkout
+    # (tox's) fails ray.init; nor may it be inside the virtualenv (tox's TMPDIR is). A short
+    # one of its own under /tmp then.
+    given, own = os.environ.get("RAY_TMPDIR"), None
+    if not given or len(given) > RAY_TMPDIR_ROOM:
+        own = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="sf-ray-", dir="/tmp")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         worker = VerlWorker.remote()
         got = ray.get(worker.report.remote(), timeout=180)
     finally:
         ray.shutdown()
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
     got["driver_pid"] = os.getpid()
     _report(**got)
 

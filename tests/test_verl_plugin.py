@@ -327,6 +327,20 @@ def test_a_ray_worker_that_imports_verl_installs_ours(fixed):
         assert got["plugin"] is None and got["installed"] != "alias-aware"
 
 
+@pytest.mark.cpu
+@need_verl
+def test_the_ray_worker_starts_whatever_the_checkouts_depth(tmp_path):
+    # Ray's sockets lie ~70 bytes below its temp dir and an AF_UNIX path ends at 107 bytes: a
+    # temp dir under a deep checkout (``.tox/ray-verl`` of a CI clone) made ray.init fail
+    # ("... bytes: .../sockets/plasma_store").
+    _need_megatron()
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed")
+    deep = tmp_path / ("d" * 60)
+    got = _result(_scenario("ray", dict(_fixed_env(), RAY_TMPDIR=str(deep))))
+    assert got["installed"] == "alias-aware"
+
+
 def _need_torchtitan_engine() -> None:
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan is not installed (extra 'torchtitan')")
