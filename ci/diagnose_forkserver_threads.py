@@ -18,13 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _threads() -> list[str]:
-    names = []
-    for tid in sorted(os.listdir("/proc/self/task")):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            names.append(f.read().strip())
-    return names
+from repro.harness.forkserver_process import _thread_names as _threads  # noqa: E402
 
 
 class _Watch(importlib.abc.MetaPathFinder):
@@ -62,6 +56,11 @@ class _Watch(importlib.abc.MetaPathFinder):
 def main() -> int:
     profile = sys.argv[1] if len(sys.argv) > 1 else "torch"
     from repro.harness import forkserver
+
+    if profile not in forkserver.PRELOADS:
+        print(f"error: unknown profile {profile!r}; known: {', '.join(forkserver.PRELOADS)}",
+              file=sys.stderr)
+        return 2
 
     os.environ.update(forkserver._SERVER_ENV)
     watch = _Watch()

@@ -130,8 +130,10 @@ class _Client:
     """A connection to a fork server: the one this process started, or, in a forked child,
     the one its server gave it (so that what a child starts is forked by the same server)."""
 
-    def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None):
+    def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None,
+                 preloads: tuple[str, ...] = ()):
         self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
+        self.preloads = preloads  # what the server imported (its children have them)
 
     @classmethod
     def start(cls, profile: str, upto: int | None = None) -> _Client:
@@ -171,9 +173,7 @@ class _Client:
             else:
                 why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
             raise OSError(f"fork server (profile {profile!r}) {why}")
-        client = cls(mine, proc.pid, proc)
-        client.preloads = PRELOADS[profile][:upto]  # what its children have imported
-        return client
+        return cls(mine, proc.pid, proc, PRELOADS[profile][:upto])
 
     def usable(self) -> bool:
         return self.pid == os.getpid() and (self.proc is None or self.proc.poll() is None)
