@@ -19,7 +19,11 @@ _SITE_DEPTH = 3
 BOUNDARIES: set = set()
 
 _USER, _SKIP, _HOOK, _BOUNDARY, _OPAQUE = 0, 1, 2, 3, 4
-_kind_of_code: dict = {}
+# Kinds by id(code): a code object's hash is computed anew on every call, from its bytecode,
+# names and constants (0.4 us for torch's Module._call_impl), and a model's stack is full of
+# large functions. _CODES keeps each one alive, so no id is reused while its kind is cached.
+_kind_of_code: dict[int, int] = {}
+_CODES: list = []
 # Machinery that runs ops inside a region which are not its forward code: the checkpoints'
 # own saved-tensor hooks (a recompute's pack hook detaches what it keeps), and fixes.recompute
 # putting a region's captured state in place (its copies differ between forward and recompute
@@ -34,7 +38,7 @@ _OPAQUE_NAMES = ("_run_save_op", "_replay_save_op")
 
 
 def _kind(code) -> int:
-    known = _kind_of_code.get(code)
+    known = _kind_of_code.get(id(code))
     if known is None:
         path = code.co_filename
         if code in BOUNDARIES:
@@ -49,7 +53,8 @@ def _kind(code) -> int:
             known = _SKIP
         else:
             known = _USER
-        _kind_of_code[code] = known
+        _CODES.append(code)
+        _kind_of_code[id(code)] = known
     return known
 
 
@@ -64,7 +69,7 @@ def raw_site(opaque: bool = False) -> tuple | None:
     # The hot loop of every recorded op: a dict lookup per frame, _kind only for a new code.
     while frame is not None:
         code = frame.f_code
-        kind = kinds.get(code)
+        kind = kinds.get(id(code))
         if kind is None:
             kind = _kind(code)
         if kind is _USER:
