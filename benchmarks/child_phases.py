@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -110,12 +111,10 @@ def _times(stdout: str) -> dict[str, float] | None:
     return None
 
 
-def paths(device: str, names: list[str]) -> list[dict]:
-    """Each runnable repro path's wall time, and its split where the child reported one."""
-    import os
-
+def paths(device: str, names: list[str], entries: dict) -> list[dict]:
+    """Each runnable repro path's wall time, and its split where the child reported one
+    (``entries``: the catalog)."""
     os.environ[TIMES_ENV] = "1"
-    entries = catalog.load()
     names = [n for n in names if skip_reason(entries[n], device) is None]
     _warm(entries[n].forkserver for n in names if entries[n].forkserver)
     rows = []
@@ -142,6 +141,18 @@ def _cell(v) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v if v is not None else "-")
 
 
+# The paths table: (column, width); text columns left-aligned and cut to their width, the
+# seconds right-aligned.
+_COLUMNS = (("repro", 30), ("path", 12), ("forkserver", 12), ("ended", 12), ("wall", 10),
+            ("start", 10), ("module", 10), ("run", 10), ("exit", 10))
+_TEXT_COLUMNS = 4
+
+
+def _table_line(cells) -> str:
+    return " ".join(f"{c[:w]:{w}}" if i < _TEXT_COLUMNS else f"{c:>{w}}"
+                    for i, (c, (_, w)) in enumerate(zip(cells, _COLUMNS, strict=True)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.child_phases",
                                      description=__doc__.split("\n\n")[0])
@@ -166,15 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in dict.fromkeys(k for h in hows for k in probe[h]):
         print(f"{k:28} " + " ".join(f"{_cell(probe[h].get(k)):>8}" for h in hows))
 
-    rows = paths(args.device, args.only or list(entries))
-    cols = ("repro", "path", "forkserver", "ended", "wall", "start", "module", "run", "exit")
+    rows = paths(args.device, args.only or list(entries), entries)
     print(f"\neach repro path on {args.device}, one at a time (seconds)")
-    print(" ".join(f"{c:>10}" if i > 3 else f"{c:30}" if i == 0 else f"{c:12}"
-                   for i, c in enumerate(cols)))
+    print(_table_line([c for c, _ in _COLUMNS]))
     for r in rows:
-        print(" ".join(f"{_cell(r.get(c)):>10}" if i > 3 else
-                       f"{_cell(r.get(c)):30}" if i == 0 else f"{_cell(r.get(c))[:12]:12}"
-                       for i, c in enumerate(cols)))
+        print(_table_line([_cell(r.get(c)) for c, _ in _COLUMNS]))
     total = sum(r["wall"] for r in rows)
     print(f"\n{len(rows)} paths, {total:.1f} s in all")
     if args.json:
