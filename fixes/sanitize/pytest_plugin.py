@@ -20,10 +20,11 @@ import sys
 
 import pytest
 
+from fixes.sanitize.recompute import VALUES as RECOMPUTE_MODES  # recompute_sanitizer(values=...)
+
 OPTION = "--stackfix-sanitize"
 SANITIZERS = ("storage", "mesh", "recompute")
 DEFAULT = ("storage", "mesh")
-RECOMPUTE_MODES = ("all", "sampled", "none")  # recompute_sanitizer(values=...)
 # For tests that enter the sanitizers themselves (they refuse to be nested): left unwrapped.
 MARKER = "no_stackfix_sanitize"
 MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, so "
