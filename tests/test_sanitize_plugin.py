@@ -171,3 +171,14 @@ def test_off_by_default(pytester, monkeypatch):
     result.assert_outcomes(passed=4, failed=1)
     assert "stackfix sanitizers" not in result.stdout.str()
     assert "--stackfix-sanitize" in _run(pytester, "--help").stdout.str()
+
+
+def test_without_the_flag_a_session_imports_no_torch(tmp_path):
+    # The plugin loads in every pytest session of an environment with stackfix installed: a
+    # suite that never asks for the sanitizers must not pay for importing torch.
+    (tmp_path / "test_light.py").write_text(
+        "import sys\n\n\ndef test_light():\n    assert 'torch' not in sys.modules\n")
+    r = run_isolated(module="pytest", args=[*_plugin_args(), "-p", "no:cacheprovider",
+                                            "-p", "no:xdist", "-q", str(tmp_path)],
+                     cwd=str(tmp_path), env={"PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]

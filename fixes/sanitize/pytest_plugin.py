@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from fixes.sanitize.recompute import VALUES as RECOMPUTE_MODES  # recompute_sanitizer(values=...)
+from fixes.sanitize._modes import VALUES as RECOMPUTE_MODES  # recompute_sanitizer(values=...)
 
 OPTION = "--stackfix-sanitize"
 SANITIZERS = ("storage", "mesh", "recompute")

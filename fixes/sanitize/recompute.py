@@ -41,15 +41,13 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
 from fixes.sanitize._fingerprint import ATOMIC_RTOL
+from fixes.sanitize._modes import VALUES
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._region import RecomputeMismatchError, Region
 
 __all__ = ["ATOMIC_RTOL", "RecomputeMismatchError", "RecomputeSanitizer", "recompute_sanitizer"]
 
 _MEGATRON = "megatron.core.tensor_parallel.random"
-
-
-VALUES = ("all", "sampled", "none")
 
 
 @dataclass
