@@ -5,6 +5,7 @@ a spawned ``python -c`` / ``python -m`` does."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -54,6 +55,54 @@ def test_the_spmd_profile_forks_without_megatron_and_prestart_starts_the_server_
     assert forkserver._servers["spmd"] is started  # run() used it, started no other
     with pytest.raises(ValueError, match=r"unknown fork server profile 'nosuch'; known: "):
         forkserver.prestart(["nosuch"])
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(")")[-1].split()[1])
+
+
+@pytest.fixture
+def own_servers(monkeypatch):
+    """This process's fork servers replaced by none (each test starts its own); those it
+    started are closed afterwards and the previous ones put back."""
+    monkeypatch.setattr(forkserver, "_servers", {})
+    monkeypatch.setattr(forkserver, "_unavailable", {})
+    yield forkserver._servers
+    for client in list(forkserver._servers.values()):
+        client.close()
+
+
+def test_a_profile_that_extends_another_is_forked_from_that_ones_server(own_servers):
+    # torch's preloads extend spmd's, torchtitan's torch's: such a server is forked from the
+    # one below it and imports only what it adds (the shared imports' CPU is paid once).
+    code = ("import sys; print(*(m in sys.modules "
+            "for m in ('spmd_types', 'megatron.core.tensor_parallel')))")
+    r = run_isolated(code=code, forkserver="torch", timeout=120)
+    spmd, torch = own_servers["spmd"], own_servers["torch"]
+    assert _parent(torch.session) == spmd.session  # forked from the spmd server
+    assert os.getsid(torch.session) == torch.session  # in a session of its own
+    megatron = forkserver_process.importlib.util.find_spec("megatron") is not None
+    assert r.ok and r.stdout == f"True {megatron}\n", r
+    # A forked server ends when its client's connection closes.
+    torch.close()
+    assert not _alive(torch.session) and _alive(spmd.session)
+
+
+def test_a_forked_server_imports_under_the_environment_it_was_asked_in(own_servers, tmp_path,
+                                                                      monkeypatch):
+    # Its own preloads see the environment and sys.path a server spawned now would: the
+    # PYTHONPATH of the request, not its base's (started earlier, under another one).
+    first, now = (os.pathsep.join([str(tmp_path / name), os.environ.get("PYTHONPATH", "")])
+                  for name in ("first", "now"))
+    monkeypatch.setenv("PYTHONPATH", first)
+    run_isolated(code="pass", forkserver="spmd", timeout=120)
+    monkeypatch.setenv("PYTHONPATH", now)
+    # (a child inherits its server's record of the PYTHONPATH it started with)
+    code = "from repro.harness import forkserver_process as p; print(p._SERVER_PYTHONPATH[0])"
+    r = run_isolated(code=code, forkserver="torch", timeout=120)
+    assert _parent(own_servers["torch"].session) == own_servers["spmd"].session
+    assert r.ok and r.stdout == f"{tmp_path / 'now'}\n", r
 
 
 def test_off_switch_spawns(monkeypatch):
@@ -292,20 +341,27 @@ def test_a_hung_preload_is_killed_reported_and_children_are_spawned(
     assert r.stdout == "1\n" and time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize("profile, module", [
+    ("spmd", "spmd_types"),
+    # megatron-core on a CUDA machine: the torch server is forked from the spmd one
+    ("torch", "megatron.core.tensor_parallel"),
+])
 def test_a_preload_that_starts_a_thread_is_left_to_the_children(server_with_sitecustomize,
-                                                                 monkeypatch):
+                                                                monkeypatch, profile, module):
     # As megatron.core on a CUDA machine: the server cannot fork after it, so it restarts with
     # the preloads before it, says so, and its children import that module themselves.
-    monkeypatch.setenv("STACKFIX_T_THREAD_AFTER", "spmd_types")
-    code = ("import os, sys; print('torch' in sys.modules, 'spmd_types' in sys.modules, "
-            "len(os.listdir('/proc/self/task'))); import spmd_types; print('imported')")
-    with pytest.warns(RuntimeWarning, match=r"importing spmd_types left it unable to fork "
-                      r"\(the fork server has 2 threads, not 1: \S+, \S+\); it preloads only "
-                      r"the 3 modules before it"):
-        r = run_isolated(code=code, forkserver="spmd", env={"STACKFIX_T_ROLE": "child"},
+    pytest.importorskip(module.split(".")[0], reason=f"{module} is not installed")
+    monkeypatch.setenv("STACKFIX_T_THREAD_AFTER", module)
+    before = forkserver.PRELOADS[profile].index(module)
+    code = (f"import os, sys; print('torch' in sys.modules, {module!r} in sys.modules, "
+            f"len(os.listdir('/proc/self/task'))); import {module}; print('imported')")
+    with pytest.warns(RuntimeWarning, match=rf"importing {re.escape(module)} left it unable to "
+                      r"fork \(the fork server has 2 threads, not 1: \S+, \S+\); it preloads "
+                      rf"only the {before} modules before it"):
+        r = run_isolated(code=code, forkserver=profile, env={"STACKFIX_T_ROLE": "child"},
                          timeout=120)
     assert r.ok and r.stdout == "True False 1\nimported\n", r
-    assert "spmd" not in forkserver._unavailable
+    assert profile not in forkserver._unavailable
 
 
 def test_shared_types_live_in_a_leaf_module_the_fork_server_does_not_import_isolated():

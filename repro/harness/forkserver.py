@@ -56,12 +56,22 @@ A crash child here needs, per request, what that does not give:
 
 Adding those to multiprocessing's server would replace most of it; hence this one.
 
+Servers by profile. A profile whose preloads extend another's (``_BASE``: torch extends spmd
+with megatron-core, torchtitan extends torch) has its server forked from that one's, started
+first if need be. The forked server takes the request's environment and ``sys.path``, imports
+only what its profile adds and leads a session of its own; it is ready as soon as one spawned
+afresh would be (the imports run one after the other either way), and a process that uses
+all three profiles pays the shared imports once instead of three times. Its base's preloads
+were imported under the base's environment, as every child's are.
+
 Protocol. The client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
-the server exits when the client's end closes (the client process ended). A request is one
+the server sends its pid, then "ready" once its imports are done, and exits when the client's
+end closes (the client process ended). A request is one
 JSON message carrying three descriptors (SCM_RIGHTS): a status socket and the write ends of
 the child's stdout and stderr pipes. Per request the server forks a supervisor, which forks
 the child, sends ``{"pid"}`` then ``{"returncode"}`` (negative for a signal) on the status
-socket, and exits. The client reads the pipes as ``subprocess`` does; on a timeout it kills
+socket, and exits; a request of kind "server" carries one descriptor, the new server's end of
+its own socket pair. The client reads the pipes as ``subprocess`` does; on a timeout it kills
 the child's process group. Each child gets a connection of its own to the server, so what it
 starts (a repro's ranks) is forked there too; every process the server forks lives in the
 server's session, so a rank can join its requester's process group and die with it. The
@@ -77,6 +87,7 @@ from __future__ import annotations
 import json
 import locale
 import os
+import select
 import selectors
 import signal
 import socket
@@ -109,6 +120,16 @@ PRELOADS = {
     # the mesh sanitizer and others look torchtitan up in sys.modules.
     "torchtitan": (*_TORCH, "torchtitan.trainer", "fixes.torchtitan.engine"),
 }
+# A profile's server is forked from the server of the profile its preloads extend (the longest
+# proper prefix: torch from spmd, torchtitan from torch) and imports only the rest: as soon
+# ready as one started afresh (the imports are sequential either way), and the shared imports'
+# CPU and memory are paid once per process instead of once per profile.
+_BASE = {
+    profile: max((other for other, pre in PRELOADS.items()
+                  if len(pre) < len(mine) and mine[:len(pre)] == pre),
+                 key=lambda other: len(PRELOADS[other]), default=None)
+    for profile, mine in PRELOADS.items()
+}
 # The environment a server imports under, so that no thread is left running after the
 # imports: numpy's OpenBLAS pool (1 = none), pyarrow's jemalloc background thread
 # (torchtitan imports datasets). Its children get the request's environment.
@@ -127,8 +148,9 @@ def enabled() -> bool:
 
 
 class _Client:
-    """A connection to a fork server: the one this process started, or, in a forked child,
-    the one its server gave it (so that what a child starts is forked by the same server)."""
+    """A connection to a fork server: one this process started (spawned, ``proc``, or forked
+    from another of its servers), or, in a forked child, the one its server gave it (so that
+    what a child starts is forked by the same server)."""
 
     def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None,
                  preloads: tuple[str, ...] = ()):
@@ -136,36 +158,47 @@ class _Client:
         self.preloads = preloads  # what the server imported (its children have them)
 
     @classmethod
-    def start(cls, profile: str, upto: int | None = None) -> _Client:
-        """A server with the profile's first ``upto`` preloads (all: None); ``UnsafePreload``
-        when one of them leaves it unable to fork, OSError when it does not start."""
+    def start(cls, profile: str, upto: int | None = None, base: _Client | None = None) -> _Client:
+        """A server with the profile's first ``upto`` preloads (all: None), spawned, or forked
+        from ``base`` (a server whose preloads are a prefix of those); ``UnsafePreload`` when
+        one of them leaves it unable to fork, OSError when it does not start."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, **_SERVER_ENV)
-        code = (f"from repro.harness.forkserver_process import serve; "
-                f"serve({theirs.fileno()}, {profile!r}, {upto!r})")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its session (id: its pid) holds every child it forks
-        )
-        theirs.close()
-        mine.settimeout(_READY_TIMEOUT)
+        proc = None
         try:
-            ready = mine.recv(MAX_MESSAGE)
-        except TimeoutError:
-            ready = None
-        except OSError:
-            ready = b""
-        mine.settimeout(None)
+            if base is None:
+                code = (f"from repro.harness.forkserver_process import serve; "
+                        f"serve({theirs.fileno()}, {profile!r}, {upto!r})")
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,  # its session (id: its pid) holds what it forks
+                )
+            else:
+                request = {"kind": "server", "profile": profile, "upto": upto, "env": env}
+                socket.send_fds(base.sock, [json.dumps(request).encode()], [theirs.fileno()])
+        finally:
+            theirs.close()
+        deadline = time.monotonic() + _READY_TIMEOUT
+        hello = _recv_until(mine, deadline)  # the server's pid, sent before its imports
+        pid = proc.pid if proc is not None else None
+        if hello and hello.startswith(b"{"):
+            pid = json.loads(hello)["pid"]
+            ready = _recv_until(mine, deadline)
+        else:
+            ready = hello
         if ready != b"ready":
             mine.close()
             # Its session (and process group) has its pid: a preload that hangs, or started
             # something, is ended with it. Never wait for a server that is still running.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            if pid is not None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if proc is not None:
+                proc.wait()
             if ready and ready.startswith(b"{"):
                 raise UnsafePreload(profile, json.loads(ready))
             if ready is None:
@@ -173,10 +206,49 @@ class _Client:
             else:
                 why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
             raise OSError(f"fork server (profile {profile!r}) {why}")
-        return cls(mine, proc.pid, proc, PRELOADS[profile][:upto])
+        return cls(mine, pid, proc, PRELOADS[profile][:upto])
 
     def usable(self) -> bool:
-        return self.pid == os.getpid() and (self.proc is None or self.proc.poll() is None)
+        if self.pid != os.getpid():
+            return False
+        if self.proc is not None:
+            return self.proc.poll() is None
+        # Not this process's child: a server sends nothing after "ready", so a readable
+        # connection is its end (it has exited).
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return not readable
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the connection, which ends the server, and wait (up to ``timeout``) until it
+        has exited."""
+        self.sock.close()
+        if self.proc is not None:
+            self.proc.wait(timeout=timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while _running(self.session) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _recv_until(sock: socket.socket, deadline: float) -> bytes | None:
+    """One message; None at the deadline, b"" when the peer has gone."""
+    sock.settimeout(max(0.0, deadline - time.monotonic()))
+    try:
+        return sock.recv(MAX_MESSAGE)
+    except TimeoutError:
+        return None
+    except OSError:
+        return b""
+    finally:
+        sock.settimeout(None)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 class UnsafePreload(OSError):
@@ -190,18 +262,34 @@ class UnsafePreload(OSError):
 
 
 def _start(profile: str) -> _Client:
-    """A server for ``profile``; where one of its preloads leaves it unable to fork (on a CUDA
-    machine ``megatron.core`` starts a CUDA driver thread at import), one with the preloads
-    before it, with a RuntimeWarning naming the module: its children import that module and
-    the rest themselves. OSError when neither starts."""
+    """A server for ``profile``, forked from this process's server of the profile it extends
+    (``_BASE``), else spawned. Where one of its
+    preloads leaves it unable to fork (on a CUDA machine ``megatron.core`` starts a CUDA
+    driver thread at import), one with the preloads before it, with a RuntimeWarning naming
+    the module: its children import that module and the rest themselves. OSError when neither
+    starts."""
+    base = _base_for(profile)
     try:
-        return _Client.start(profile)
+        return _Client.start(profile, base=base)
     except UnsafePreload as exc:
         if exc.index == 0:
             raise
         warnings.warn(f"{exc}; it preloads only the {exc.index} modules before it, and its "
                       "children import the rest themselves", RuntimeWarning, stacklevel=4)
-        return _Client.start(profile, upto=exc.index)
+        return _Client.start(profile, upto=exc.index, base=base)
+
+
+def _base_for(profile: str) -> _Client | None:
+    """The server to fork ``profile``'s from (started if need be), or None where there is none
+    (``_BASE``). OSError when it could not start: this one would import the same modules
+    first and fail the same way (a hung import would be waited for twice)."""
+    if (name := _BASE[profile]) is None:
+        return None
+    base = _connected(name)
+    if base is None:
+        raise OSError(f"fork server (profile {profile!r}): the server of {name!r}, whose "
+                      f"preloads it extends, could not start ({_unavailable[name]})")
+    return base
 
 
 _servers: dict[str, _Client] = {}  # the servers this process started, by profile

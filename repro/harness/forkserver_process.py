@@ -63,10 +63,13 @@ def _unsafe_to_fork() -> str | None:
 
 def serve(fd: int, profile: str, upto: int | None = None) -> None:
     """The server's main loop (``fd``: its end of the client's socket pair), after importing
-    the profile's first ``upto`` preloads. Each child gets a connection of its own to this
-    loop; the server exits when the client's closes. A preload that leaves the server unable
-    to fork is reported (JSON: ``unsafe_after`` and why) and the server exits."""
+    the profile's first ``upto`` preloads; its pid is sent first (JSON), then "ready". Each
+    child gets a connection of its own to this loop; the server exits when the client's
+    closes. A preload that leaves the server unable to fork is reported (JSON:
+    ``unsafe_after`` and why) and the server exits. A request of kind "server" forks the
+    server of another profile (``_fork_server``)."""
     root = socket.socket(fileno=fd)
+    root.send(json.dumps({"pid": os.getpid()}).encode())  # the client kills it by this
     if (unsafe := _preload(profile, upto)) is not None:
         root.send(json.dumps(unsafe).encode())
         return
@@ -82,12 +85,42 @@ def serve(fd: int, profile: str, upto: int | None = None) -> None:
                 conn = key.fileobj
                 message, fds, _, _ = socket.recv_fds(conn, forkserver.MAX_MESSAGE, 3)
                 if message:
-                    _fork_request(json.loads(message), fds, sel)
+                    request = json.loads(message)
+                    fork = _fork_server if request["kind"] == "server" else _fork_request
+                    fork(request, fds, sel)
                 elif conn is root:
                     return  # the client has gone
                 else:
                     sel.unregister(conn)  # a child has ended
                     conn.close()
+
+
+def _fork_server(request: dict, fds: list[int], sel: selectors.BaseSelector) -> None:
+    """Fork the server of a profile whose preloads extend this one's (``fds[0]``: its end of
+    the client's new socket pair). It takes the request's environment and the ``sys.path`` its
+    PYTHONPATH gives, imports only the rest of its preloads, leads a session of its own as a
+    spawned server does, and exits when its client's connection closes, running the atexit
+    handlers its own imports registered (not this server's)."""
+    fd = fds[0]
+    if (why := _unsafe_to_fork()) is not None:
+        with socket.socket(fileno=fd) as conn:
+            conn.send(why.encode())
+        return
+    if os.fork() == 0:
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+        sel.close()
+        os.setsid()
+        import atexit
+
+        atexit._clear()
+        _adopt_environment(request["env"])
+        try:
+            serve(fd, request["profile"], request["upto"])
+        finally:
+            atexit._run_exitfuncs()
+            os._exit(0)
+    os.close(fd)
 
 
 def _fork_request(request: dict, fds: list[int], sel: selectors.BaseSelector) -> None:
@@ -248,6 +281,18 @@ def _redirect_stdio(out_w: int, err_w: int, unbuffered: bool) -> None:
 # sys.path as the server started with it: [path0, *PYTHONPATH entries, *the rest].
 _SERVER_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(
     os.pathsep) if p]
+
+
+def _adopt_environment(env: Mapping[str, str]) -> None:
+    """A forked server's environment and ``sys.path`` as a server spawned with ``env`` would
+    have them (what its own preloads import under); its children's ``sys.path`` is built from
+    this PYTHONPATH on."""
+    global _SERVER_PYTHONPATH
+    os.environ.clear()
+    os.environ.update(env)
+    _set_sys_path("code", env.get("PYTHONPATH", ""))
+    _SERVER_PYTHONPATH = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p]
 
 
 def _set_sys_path(kind: str, pythonpath: str) -> None:
