@@ -16,7 +16,10 @@ ROOT = str(Path(__file__).parent.parent)
 OPTIONAL = ("torchtitan", "torch_remat", "megatron", "vllm")
 
 # Setting sys.modules[name] = None makes every `import name...` raise ImportError, as if absent.
-BLOCK = f"import sys\nfor _m in {OPTIONAL!r}:\n    sys.modules[_m] = None\n"
+# The children are forked from the "spmd" fork server: it preloads none of OPTIONAL (the
+# "torch" one preloads megatron-core), so each starts as a fresh interpreter without them would.
+BLOCK = (f"import sys\nassert not {{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r})\n"
+         f"for _m in {OPTIONAL!r}:\n    sys.modules[_m] = None\n")
 
 PUBLIC = {
     "fixes.torchtitan": ("mesh_preserving_context_fn", "mesh_preserving", "single_threaded_backward",
@@ -42,13 +45,13 @@ def test_fixes_import_without_the_optional_packages(package):
         f"loaded = [m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r} and sys.modules[m]]\n"
         "assert not loaded, loaded\n"
     )
-    result = run_isolated(code=code, timeout=120, cwd=ROOT)
+    result = run_isolated(code=code, timeout=120, cwd=ROOT, forkserver="spmd")
     assert result.ok, result.stderr[-3000:]
 
 
 def test_fused_moe_is_none_without_vllm():
     result = run_isolated(code=BLOCK + "import fixes.vllm as f\nassert f.FusedMoE is None\n",
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, forkserver="spmd")
     assert result.ok, result.stderr[-3000:]
 
 
@@ -58,6 +61,6 @@ def test_cpu_suite_collects_without_the_optional_packages():
         "sys.exit(pytest.main(['--collect-only', '-q', '-m', 'cpu', '-p', 'no:cacheprovider',"
         " '-p', 'no:xdist', 'tests']))\n"
     )
-    result = run_isolated(code=code, timeout=300, cwd=ROOT)
+    result = run_isolated(code=code, timeout=300, cwd=ROOT, forkserver="spmd")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "error" not in result.stdout.lower().split("collected")[-1], result.stdout[-3000:]

@@ -14,7 +14,7 @@ import pytest
 
 from repro import discover
 from repro.harness.sanitize import NAMES as SANITIZERS
-from repro.runner import judge_fixed, judge_unfixed, run_path
+from repro.runner import judge_fixed, judge_unfixed, run_path, skip_reason
 
 REPROS = discover()
 CASES = [
@@ -29,10 +29,11 @@ SANITIZED = [case for case in CASES if case.values[0].sanitized_signatures]
 def _check_path(repro, device, fixed: bool, sanitized: bool = False,
                 sanitizers: tuple[str, ...] | None = None) -> None:
     """Run one path in a child and assert its contract: the unfixed path reproduces one of its
-    (sanitized) signatures, the fixed path passes. Skips with the reason when it cannot run."""
-    missing = repro.missing_requirements()
-    if missing:
-        pytest.skip(f"{repro.name} needs {', '.join(missing)} (not installed)")
+    (sanitized) signatures, the fixed path passes. Skips with the reason when it cannot run:
+    known before any child starts (as ``python -m repro`` knows it: a missing package, an unmet
+    precondition), or the child's own ``repro.Skipped``."""
+    if (reason := skip_reason(repro, device)) is not None:
+        pytest.skip(f"{repro.name}: {reason}")
     if sanitizers is not None:
         repro = dataclasses.replace(repro, sanitizers=sanitizers)
     result = run_path(repro, fixed=fixed, device=device, sanitized=sanitized)
