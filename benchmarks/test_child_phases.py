@@ -1,10 +1,11 @@
-"""``python -m benchmarks.child_phases`` and ``python -m benchmarks.sanitizer_per_op``: what
+"""``python -m benchmarks.child_phases``, ``sanitizer_per_op`` and ``proc_cpu``: what
 they report comes from the children they ran (repro.child's REPRO-TIMES line, the probe's
 phases), a path a signal ends has no split, and bad input is refused naming what is allowed."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -57,3 +58,23 @@ def test_sanitizer_per_op_reports_every_mode_and_refuses_too_few_ops(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         sanitizer_per_op.main(["--ops", "1"])
     assert exit_.value.code == 2
+
+
+def test_proc_cpu_sums_the_cpu_of_what_the_command_starts(tmp_path, capsys):
+    from benchmarks import proc_cpu
+
+    out = tmp_path / "cpu.json"
+    # a child that burns ~0.6 s of CPU in a grandchild, then exits 3
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\n"
+    code = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])\nsys.exit(3)\n"
+    assert proc_cpu.main(["--json", str(out), "--", sys.executable, "-c", code]) == 3
+    data = json.loads(out.read_text())
+    burner = [g for g in data["groups"] if g["role"].startswith("python -c import time")]
+    assert burner and burner[0]["processes"] == 1 and burner[0]["cpu_s"] >= 0.4, data
+    assert data["exit_status"] == 3 and data["processes"] == 2
+    assert "in all; wall" in capsys.readouterr().out
+    for bad, says in ((["--"], "no command given"),
+                      (["--interval", "0", "--", "true"], "--interval must be > 0")):
+        with pytest.raises(SystemExit):
+            proc_cpu.main(bad)
+        assert says in capsys.readouterr().err
