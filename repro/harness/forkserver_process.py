@@ -206,8 +206,8 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
 
 
 def _drop_inherited_atexit_handlers() -> None:
-    """The child starts with none of the server's atexit handlers: the preloads registered
-    them for the server's own state (wandb, imported by megatron-core, registers
+    """The child starts with none of the server's atexit handlers (those its site start-up
+    registered included): the preloads registered them for the server's own state (wandb, imported by megatron-core, registers
     TemporaryDirectory cleanups: the first child to exit would delete the server's directory
     under every later child). multiprocessing's forked children skip them too (they end with
     os._exit); the handlers a child registers itself run at its exit (``_shut_down``).
