@@ -310,9 +310,9 @@ def server_with_sitecustomize(monkeypatch, tmp_path):
 def test_a_forked_child_runs_its_own_atexit_handlers_not_the_servers(server_with_sitecustomize):
     marks = server_with_sitecustomize
     # As many handlers as a spawned interpreter that imported logging has (logging's flush),
-    # less those its site start-up registered (a .pth file's, on some images): the server's
-    # were registered for the server, and the child starts with none of them. The one it
-    # registers runs.
+    # less those its site start-up registered (a .pth file's or sitecustomize's, on some
+    # images): the server's were registered for the server, and the child starts with none of
+    # them. The one it registers runs.
     code = ("import atexit, logging\n"
             "print(atexit._ncallbacks())\n"
             "atexit.register(lambda: print('own handler'))\n")

@@ -32,8 +32,8 @@ How a child differs from ``python -c`` / ``python -m`` (none of it matters to a 
 * a child that must import a preloaded package from elsewhere (a Megatron-LM checkout instead
   of the installed megatron-core), or must not find one imported (tests of what happens
   without torchtitan), cannot use the server (or that profile): its caller spawns it;
-* it starts with none of the server's atexit handlers (the preloads, and on some images a
-  ``.pth`` file at site start-up, registered them for the server's state; logging's flush is
+* it starts with none of the server's atexit handlers (the preloads, and on some images site
+  start-up (a ``.pth`` file or sitecustomize), registered them for the server's state; logging's flush is
   registered afresh) and ends with the Python-level part of
   interpreter shutdown (non-daemon threads joined, the atexit handlers it registered run,
   output flushed) and ``os._exit``: the C-level teardown of the preloaded modules is skipped,
