@@ -33,11 +33,11 @@ How a child differs from ``python -c`` / ``python -m`` (none of it matters to a 
   of the installed megatron-core), or must not find one imported (tests of what happens
   without torchtitan), cannot use the server (or that profile): its caller spawns it;
 * it starts with none of the server's atexit handlers (the preloads, and on some images site
-  start-up (a ``.pth`` file or sitecustomize), registered them for the server's state; logging's flush is
-  registered afresh) and ends with the Python-level part of
-  interpreter shutdown (non-daemon threads joined, the atexit handlers it registered run,
-  output flushed) and ``os._exit``: the C-level teardown of the preloaded modules is skipped,
-  so a crash that only module teardown would cause is not seen.
+  start-up through a ``.pth`` file or sitecustomize, registered them for the server's state;
+  logging's flush is registered afresh) and ends with the Python-level part of interpreter
+  shutdown (non-daemon threads joined, the atexit handlers it registered run, output flushed)
+  and ``os._exit``: the C-level teardown of the preloaded modules is skipped, so a crash that
+  only module teardown would cause is not seen.
 
 Why not the standard library's (``multiprocessing`` with ``set_start_method("forkserver")``
 and ``set_forkserver_preload``): it also forks from one preloaded, single-threaded process,
@@ -67,9 +67,9 @@ were imported under the base's environment, as every child's are.
 
 Protocol. The client owns one end of a ``SOCK_SEQPACKET`` socket pair, the server the other;
 the server sends its pid, then "ready" once its imports are done, and exits when the client's
-end closes (the client process ended). A request is one
-JSON message carrying three descriptors (SCM_RIGHTS): a status socket and the write ends of
-the child's stdout and stderr pipes. Per request the server forks a supervisor, which forks
+end closes (the client process ended). A request is one JSON message carrying three
+descriptors (SCM_RIGHTS): a status socket and the write ends of the child's stdout and stderr
+pipes. Per request the server forks a supervisor, which forks
 the child, sends ``{"pid"}`` then ``{"returncode"}`` (negative for a signal) on the status
 socket, and exits; a request of kind "server" carries one descriptor, the new server's end of
 its own socket pair. The client reads the pipes as ``subprocess`` does; on a timeout it kills
@@ -264,11 +264,10 @@ class UnsafePreload(OSError):
 
 def _start(profile: str) -> _Client:
     """A server for ``profile``, forked from this process's server of the profile it extends
-    (``_BASE``), else spawned. Where one of its
-    preloads leaves it unable to fork (on a CUDA machine ``megatron.core`` starts a CUDA
-    driver thread at import), one with the preloads before it, with a RuntimeWarning naming
-    the module: its children import that module and the rest themselves. OSError when neither
-    starts."""
+    (``_BASE``), else spawned. Where one of its preloads leaves it unable to fork (on a CUDA
+    machine ``megatron.core`` starts a CUDA driver thread at import), one with the preloads
+    before it, with a RuntimeWarning naming the module: its children import that module and
+    the rest themselves. OSError when neither starts."""
     base = _base_for(profile)
     try:
         return _Client.start(profile, base=base)
