@@ -90,8 +90,10 @@ def role(proc: Proc, procs: dict[int, Proc]) -> str:
         if parent is not None and "forkserver_process import serve" in parent.cmdline:
             return "forked server (a profile extending another's)"
         match = _SERVE.search(cmd)
-        profile = f"{match.group(1)}" + ("" if match.group(2) == "None" else f"[:{match.group(2)}]")
-        return f"spawned server, profile {profile}"
+        if match is None:
+            return "spawned server"
+        profile, upto = match.groups()
+        return f"spawned server, profile {profile}" + ("" if upto == "None" else f"[:{upto}]")
     if "exec(eval(sys.stdin.readline()))" in cmd:
         return "xdist worker"
     words = cmd.split()

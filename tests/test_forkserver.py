@@ -89,7 +89,7 @@ def test_a_profile_that_extends_another_is_forked_from_that_ones_server(own_serv
     assert r.ok and r.stdout == f"True {megatron}\n", r
     # A forked server ends when its client's connection closes.
     torch.close()
-    assert not _alive(torch.session) and _alive(spmd.session)
+    assert not forkserver._running(torch.session) and forkserver._running(spmd.session)
 
 
 def test_a_forked_server_imports_under_the_environment_it_was_asked_in(own_servers, tmp_path,
@@ -185,10 +185,10 @@ def test_timeout_kills_the_child_and_what_it_started(forked, tmp_path):
     assert r.timed_out and r.returncode is None and time.monotonic() - start < 30
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # killed with the child's process group; reaped by init
-        if not _alive(grandchild):
+        if not forkserver._running(grandchild):
             break
         time.sleep(0.1)
-    assert not _alive(grandchild)
+    assert not forkserver._running(grandchild)
 
 
 @BOTH
@@ -200,14 +200,6 @@ def test_output_held_open_by_what_the_child_started_times_out(forked):
     start = time.monotonic()
     r = run_isolated(code=code, timeout=1.5, forkserver=forked)
     assert r.timed_out and r.returncode is None and time.monotonic() - start < 30
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_forked_child_leads_its_own_process_group_and_runs_single_threaded():
@@ -253,10 +245,10 @@ def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
     assert r.timed_out
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     for _ in range(50):
-        if not any(_alive(pid) for pid in pids):
+        if not any(forkserver._running(pid) for pid in pids):
             break
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(forkserver._running(pid) for pid in pids)
 
 
 # --------------------------------------------------------------------------- inherited state
@@ -342,10 +334,10 @@ def test_a_hung_preload_is_killed_reported_and_children_are_spawned(
     assert time.monotonic() - start < 60
     server = int((marks / "server").read_text())
     for _ in range(50):
-        if not _alive(server):
+        if not forkserver._running(server):
             break
         time.sleep(0.1)
-    assert not _alive(server)  # killed, not waited for
+    assert not forkserver._running(server)  # killed, not waited for
     start = time.monotonic()  # the next request does not wait for a server again
     r = run_isolated(code="print(1)", forkserver=True, env=child, timeout=120)
     assert r.stdout == "1\n" and time.monotonic() - start < 30

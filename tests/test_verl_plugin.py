@@ -330,7 +330,7 @@ def test_a_ray_worker_that_imports_verl_installs_ours(fixed):
 @pytest.mark.cpu
 @need_verl
 def test_the_ray_worker_starts_whatever_the_checkouts_depth(tmp_path):
-    # Ray's sockets lie ~70 bytes below its temp dir and an AF_UNIX path ends at 107 bytes: a
+    # Ray's sockets lie 66 bytes below its temp dir and an AF_UNIX path ends at 107 bytes: a
     # temp dir under a deep checkout (``.tox/ray-verl`` of a CI clone) made ray.init fail
     # ("... bytes: .../sockets/plasma_store").
     _need_megatron()

@@ -207,12 +207,13 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
 
 def _drop_inherited_atexit_handlers() -> None:
     """The child starts with none of the server's atexit handlers (those its site start-up
-    registered included): the preloads registered them for the server's own state (wandb, imported by megatron-core, registers
-    TemporaryDirectory cleanups: the first child to exit would delete the server's directory
-    under every later child). multiprocessing's forked children skip them too (they end with
-    os._exit); the handlers a child registers itself run at its exit (``_shut_down``).
-    logging's handler is the exception: it flushes this process's own logging handlers, and a
-    spawned interpreter that imported logging would have it, first registered, so run last."""
+    registered included): the preloads registered them for the server's own state (wandb,
+    imported by megatron-core, registers TemporaryDirectory cleanups: the first child to exit
+    would delete the server's directory under every later child). multiprocessing's forked
+    children skip them too (they end with os._exit); the handlers a child registers itself run
+    at its exit (``_shut_down``). logging's handler is the exception: it flushes this
+    process's own logging handlers, and a spawned interpreter that imported logging would have
+    it, first registered, so run last."""
     import atexit
 
     atexit._clear()
@@ -278,9 +279,13 @@ def _redirect_stdio(out_w: int, err_w: int, unbuffered: bool) -> None:
     sys.stdin = sys.__stdin__ = open(0, closefd=False)
 
 
+def _pythonpath_entries(pythonpath: str) -> list[str]:
+    """The ``sys.path`` entries a PYTHONPATH value gives, as the interpreter adds them."""
+    return [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
+
+
 # sys.path as the server started with it: [path0, *PYTHONPATH entries, *the rest].
-_SERVER_PYTHONPATH = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(
-    os.pathsep) if p]
+_SERVER_PYTHONPATH = _pythonpath_entries(os.environ.get("PYTHONPATH", ""))
 
 
 def _adopt_environment(env: Mapping[str, str]) -> None:
@@ -291,14 +296,13 @@ def _adopt_environment(env: Mapping[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     _set_sys_path("code", env.get("PYTHONPATH", ""))
-    _SERVER_PYTHONPATH = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p]
+    _SERVER_PYTHONPATH = _pythonpath_entries(env.get("PYTHONPATH", ""))
 
 
 def _set_sys_path(kind: str, pythonpath: str) -> None:
     """``sys.path`` as the interpreter would build it for this request: the working directory
     ("" for -c, its absolute path for -m), the request's PYTHONPATH, then the installation's."""
     rest = sys.path[1 + len(_SERVER_PYTHONPATH):]
-    entries = [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
-    sys.path[:] = ["" if kind == "code" else os.getcwd(), *entries, *rest]
+    path0 = "" if kind == "code" else os.getcwd()
+    sys.path[:] = [path0, *_pythonpath_entries(pythonpath), *rest]
     importlib.invalidate_caches()
