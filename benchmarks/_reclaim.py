@@ -43,7 +43,7 @@ from repro.harness.optional import OptionalUnavailable, import_optional
 VARIANTS = ("plain", "chunked-mtp")
 STRATEGIES = ("none", "unsafe", "mtp-skip", "ours")
 # strategy -> repro.shared_view_reclaim variant name
-_INSTALL = {"none": "none", "unsafe": "verl-0.8.0", "mtp-skip": "verl-0.9.1", "ours": "alias-aware"}
+_INSTALL = {"none": "none", "unsafe": "verl-0.8.0", "mtp-skip": "verl-0.9.1", "ours": "ours"}
 # Cells whose child is expected to crash: no figures, and no relation between strategies holds.
 CRASHES = {
     ("chunked-mtp", "unsafe"): "verl's unsafe reclaim frees the chunk's shared storage while "

@@ -63,8 +63,6 @@ MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
 MOE_MODELS = tuple(m for m in MODELS if m.startswith("moe"))
 EXPERTS = 8  # per MoE layer; --ep splits them over ranks
 STRATEGIES = ("none", "verl-0.8.0", "verl-0.9.1", "ours")
-_INSTALL = {"none": "none", "verl-0.8.0": "verl-0.8.0", "verl-0.9.1": "verl-0.9.1",
-            "ours": "alias-aware"}
 DTYPES = ("fp32", "bf16")
 DISPATCHERS = ("allgather", "alltoall")
 SIZES = ((1024, 2048), (2048, 4096))  # (hidden, sequence)
@@ -91,6 +89,9 @@ class Cell:
     none_step_ms: float = 0.0  # no reclaim, timed interleaved with step_ms in the same process
     step_time_ratio: float = 0.0  # median of (this step / the adjacent no-reclaim step)
     events: dict | None = None  # reclaim decisions of the measured step, by action
+    # sha256 of every parameter's grad after the measured step (by name, raw bytes): equal
+    # digests across strategies = bitwise equal gradients
+    grads_sha256: str = ""
     peak_sites: list | None = None  # with --trace: the allocation sites live at the peak
     error: str | None = None
 
@@ -273,6 +274,19 @@ class _CpuMeter:
         return None
 
 
+def _grads_digest(model) -> str:
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.grad is not None:
+            digest.update(name.encode())
+            digest.update(p.grad.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _measure(cell: Cell, steps: int, trace: bool = False,
              install: Callable[[str], None] | None = None) -> None:
     import torch
@@ -309,6 +323,7 @@ def _measure(cell: Cell, steps: int, trace: bool = False,
         cell.peak_bytes = meter.peak() - model_bytes
         cell.requested_peak_bytes = max(meter.requested("peak") - requested_model, 0)
         cell.retained_bytes = meter.current() - model_bytes - grads
+        cell.grads_sha256 = _grads_digest(gpt)
         cell.events = {}
         for e in events:
             key = f"{e.role}:{e.action}"
@@ -352,7 +367,7 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
 
         install_megatron_cpu_moe_shim()  # megatron's MoE router asks CUDA for its device
     def install(name: str) -> None:
-        install_reclaim(_INSTALL[name], CheckpointFunction)
+        install_reclaim(name, CheckpointFunction)  # the harness's variant names
 
     install(strategy)
     cells = []

@@ -13,11 +13,9 @@ two GPUs; rank 0's figures).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import megatron_scale as ms
 from benchmarks._bench import record
-from fixes.megatron.reclaim import placeholder_nbytes
 
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
 # ``ep_steps``: timed steps of the expert-parallel cells. Each of their steps waits on the other
@@ -138,20 +136,31 @@ def test_every_reclaim_frees_the_moe_leak(figure_book, device, model, hidden, se
                          _params(strategies=("ours",), models=LEAKY))
 def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq, dtype, strategy):
     """With the leak, the reclaim keeps no more between steps, and peaks no higher, than verl
-    0.8.0's reclaim, which frees every input and grad (unsafely) -- but for the one element of
-    each dtype it allocates once per process (``placeholder_nbytes``)."""
+    0.8.0's reclaim, which frees every input and grad (unsafely); it allocates nothing of its
+    own on the device."""
     verl = _cell(figure_book, device, model, hidden, seq, dtype, "verl-0.8.0")
     ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
-    # the one element ours allocates once per process and dtype (in the child's first cell)
-    extra = placeholder_nbytes({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    if device == "cpu":  # exact bytes: equal, but for the placeholder
-        assert ours["retained_bytes"] - verl["retained_bytes"] in (0, extra), (ours, verl)
-        assert ours["peak_bytes"] - verl["peak_bytes"] in (0, extra), (ours, verl)
+    if device == "cpu":  # exact bytes
+        assert ours["retained_bytes"] <= verl["retained_bytes"], (ours, verl)
+        assert ours["peak_bytes"] <= verl["peak_bytes"], (ours, verl)
     else:
-        assert ours["requested_peak_bytes"] <= verl["requested_peak_bytes"] + extra
+        assert ours["requested_peak_bytes"] <= verl["requested_peak_bytes"]
         for figure in ("retained_bytes", "peak_bytes"):
             slack = max(verl[figure] * CUDA_ROUNDING, CUDA_BLOCK_SLACK)
             assert ours[figure] <= verl[figure] + slack, (figure, ours[figure], verl[figure])
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         [p for p in _params(strategies=("ours",))
+                          if p.values[0] == "cpu" or p.values[4] == "fp32"])
+def test_ours_gradients_are_megatrons_bitwise(figure_book, device, model, hidden, seq, dtype,
+                                              strategy):
+    """The reclaim changes no value: after the measured step every parameter's gradient is
+    bitwise the one megatron's own backward gives (digests of the raw bytes). On CUDA in fp32
+    only: bf16 MoE steps accumulate with atomics, which differ run to run with any code."""
+    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
+    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    assert ours["grads_sha256"] and ours["grads_sha256"] == none["grads_sha256"]
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),

@@ -13,10 +13,11 @@ The graph, as small as it gets, with the shape of verl's mHC + MTP crash:
 
 Unfixed: a reclaim that calls ``resize_(0)`` on every requires-grad checkpoint input frees ``h``'s
 storage in step 4; ``MulBackward`` then reads a null pointer: SIGSEGV on CPU, "an illegal memory
-access" on CUDA. Fixed: the reclaim (``fixes.megatron.apply_recompute_reclaim_patch``) detaches
-the checkpoint's leaked copy of the input and resizes nothing, so ``h``'s storage goes when
-``MulBackward`` has read it; the oracle (WrongResult otherwise) checks every gradient against a
-run with no reclaim, that the copy was detached, and that ``h``'s memory is gone after the step.
+access" on CUDA. Fixed: the reclaim (``fixes.megatron.apply_recompute_reclaim_patch``) makes the
+recompute read its input through an identity node, so the leaked recompute graph holds none of
+it, and resizes nothing: ``h``'s storage goes when ``MulBackward`` has read it; the oracle
+(WrongResult otherwise) checks every gradient against a run with no reclaim, that the
+recompute released its input, and that ``h``'s memory is gone after the step.
 The ``-verl`` repros install the fix the way it meets verl in a verl process: verl's released
 reclaim first (its Megatron engine's init), then ours, which replaces it.
 
@@ -66,9 +67,9 @@ from repro.harness.leaks import ModuleStateLeak
 from repro.registry import Repro, Signature, WrongResult
 
 # none: no reclaim; resize-all: verl's mechanism on any reentrant checkpoint (torch's);
-# verl-X: verl X's released patch (megatron-core's CheckpointFunction only); alias-aware: the fix.
+# verl-X: verl X's released patch (megatron-core's CheckpointFunction only); ours: the fix.
 VERL_RECLAIMS = {"verl-0.8.0": "0.8.0", "verl-0.9.1": "0.9.1"}
-VARIANTS = ("none", "resize-all", *VERL_RECLAIMS, "alias-aware")
+VARIANTS = ("none", "resize-all", *VERL_RECLAIMS, "ours")
 # How the MTP layer's checkpoint is made (megatron_mtp_checkpoint).
 MTP_CHECKPOINTS = ("closure", "bound-method", "verl-run")
 
@@ -90,16 +91,29 @@ class SharedViewConfig:
 
 def _resize_all(backward: Callable) -> Callable:
     """verl's reclaim mechanism on any reentrant checkpoint: after the backward, ``resize_(0)``
-    each requires-grad recompute input and its grad, handing back clones of the grads."""
-    from fixes.megatron.reclaim import call_observing_inputs, emit
+    each requires-grad recompute input and its grad, handing back clones of the grads. Which
+    tensors the recompute got is recorded by a pass-through ``ctx.run_function`` for the call."""
+    from fixes.megatron.reclaim import ReclaimAction, emit
+    from fixes.megatron.storage import storage_key
 
     @functools.wraps(backward)
     def resize_all_backward(ctx, *grad_outputs):
-        result, recompute_args = call_observing_inputs(backward, ctx, grad_outputs)
+        calls, run_function = [], ctx.run_function
+
+        def observed(*args, **kwargs):
+            calls.append(args)
+            return run_function(*args, **kwargs)
+
+        ctx.run_function = observed
+        try:
+            result = backward(ctx, *grad_outputs)
+        finally:
+            ctx.run_function = run_function
         result = tuple(g.clone() if isinstance(g, torch.Tensor) else g for g in result)
-        for t in recompute_args or ():
+        for t in calls[0] if len(calls) == 1 else ():
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                emit("released", "input", t)
+                emit(ReclaimAction.RESIZED, "input", storage_key(t),
+                     t.untyped_storage().nbytes())
                 t.untyped_storage().resize_(0)
                 if t.grad is not None:
                     t.grad.untyped_storage().resize_(0)
@@ -144,7 +158,7 @@ def install_reclaim(variant: str, target: type | None = None, over: str | None =
             install_verl_reclaim(VERL_RECLAIMS[name])
         elif name == "resize-all":
             reclaim.install_backward_wrapper("resize-all", _resize_all, target)
-        elif name == "alias-aware":
+        elif name == "ours":
             with warnings.catch_warnings():
                 if over is not None:  # "replaced verl's backward": what this order is about
                     warnings.simplefilter("ignore", RuntimeWarning)
@@ -267,13 +281,14 @@ def _run(
             torch.cuda.synchronize()  # surface an asynchronous CUDA fault here
     install_reclaim("none", target)
     _check_against_reference(_grads(model), reference)
-    if variant == "alias-aware":
-        # The leaked recompute graph held the chunk view's detached copy: the reclaim let it
-        # go, so the shared storage went when its last reader (the contraction) had run.
+    if variant == "ours":
+        # The leaked recompute graph holds nothing of the chunk view (its identity node's
+        # stand-in only), so the shared storage went when its last reader (the contraction)
+        # had run.
         print("reclaim events:", " ".join(f"{e.role}:{e.action}" for e in events), flush=True)
         inputs = [e.action for e in events if e.role == "input"]
-        if inputs != ["detached"]:
-            raise WrongResult(f"the leaked chunk view's copy was not detached: {inputs}")
+        if inputs != ["released"]:
+            raise WrongResult(f"the recompute did not release the chunk view: {inputs}")
         if not storage_gone(weak_h):
             raise WrongResult("the shared storage outlived the backward: the leak kept it")
 
@@ -285,7 +300,7 @@ def run_torch(fixed: bool, device: str) -> None:
     def checkpoint(fn, *args):
         return tcp.checkpoint(fn, *args, use_reentrant=True)
 
-    variant = "alias-aware" if fixed else "resize-all"
+    variant = "ours" if fixed else "resize-all"
     _run(variant, device, tcp.CheckpointFunction, checkpoint, ViewlessAlias.apply)
 
 
@@ -382,7 +397,7 @@ def run_verl(version: str, mtp_checkpoint: str, fixed: bool, device: str) -> Non
 
     # Fixed: in the order of a verl process -- verl's reclaim installed first (its engine's init),
     # then ours, which replaces it.
-    variant = "alias-aware" if fixed else f"verl-{version}"
+    variant = "ours" if fixed else f"verl-{version}"
     _run(variant, device, tensor_parallel.random.CheckpointFunction,
          megatron_mtp_checkpoint(mtp_checkpoint), make_viewless,
          over=f"verl-{version}" if fixed else None)
@@ -438,7 +453,7 @@ def run_megatron_mtp(fixed: bool, device: str) -> None:
 
     install_reclaim("none", CheckpointFunction)
     reference = step()
-    install_reclaim("alias-aware" if fixed else "verl-0.8.0", CheckpointFunction)
+    install_reclaim("ours" if fixed else "verl-0.8.0", CheckpointFunction)
     with recompute_reclaim_events() as events:
         got = step()
     install_reclaim("none", CheckpointFunction)

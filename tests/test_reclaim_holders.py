@@ -1,11 +1,13 @@
-"""Who may see the reclaim's work: nobody but a finished recompute graph (fixes.megatron.reclaim).
+"""Who holds a checkpoint input after the recompute (fixes.megatron.reclaim).
 
-The reclaim detaches the checkpoint's detached copy of an input only when its one holder besides
-its Python object is its own ``AccumulateGrad`` (the Megatron-LM #3221 / #5227 leak). A module
-caching the copy, a tool keeping the recompute's frames, a side result built during the
-recompute and backwarded later, or a reference cycle are holders: the copy is kept, readable.
-No storage is ever resized, so no case here can read freed memory; the ones that did before
-(SIGSEGV) still run in a child interpreter, so a regression ends a child, not the test worker.
+The recompute reads each requires-grad input through an identity node, so the recompute graph
+itself holds none of it (the Megatron-LM #3221 / #5227 leak holds the node's 0-dim stand-in).
+Whatever else holds the recompute's view of the input -- a module caching it, a tool keeping
+the recompute's frames, a side result built during the recompute and backwarded later, a
+reference cycle -- keeps it by reference counting, readable and unchanged (event ``held``);
+otherwise it is gone with the checkpoint's backward (``released``). No storage is ever resized,
+so no case here can read freed memory; the ones that did under earlier designs (SIGSEGV) still
+run in a child interpreter, so a regression ends a child, not the test worker.
 """
 
 from __future__ import annotations
@@ -88,11 +90,11 @@ def test_a_module_caching_its_recompute_input_keeps_it_readable():
         with recompute_reclaim_events() as events:
             _step(_Layer(remember))
         assert torch.equal(cache[0], expected) and torch.equal(cache[0].grad, expected_grad)
-        print("EVENTS", [(e.role, e.action) for e in events])
+        print("EVENTS", [(e.role, e.action.value) for e in events])
     """)
     res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
-    assert "EVENTS [('input', 'kept')]" in res.stdout, res.stdout
+    assert "EVENTS [('input', 'held')]" in res.stdout, res.stdout
 
 
 def test_a_tool_keeping_the_recompute_frames_alive_keeps_the_input_readable():
@@ -122,7 +124,7 @@ def test_a_tool_keeping_the_recompute_frames_alive_keeps_the_input_readable():
                 _step(layer)
         finally:
             sys.setprofile(None)
-        print("EVENTS", [(e.role, e.action) for e in events])
+        print("EVENTS", [(e.role, e.action.value) for e in events])
         held = [f.f_locals["t"] for f in frames
                 if f.f_code is _Layer.forward.__code__ and torch.is_tensor(f.f_locals.get("t"))
                 and f.f_locals["t"].requires_grad]
@@ -131,51 +133,49 @@ def test_a_tool_keeping_the_recompute_frames_alive_keeps_the_input_readable():
         frames.clear()
         with recompute_reclaim_events() as events:
             _step(layer)
-        print("AFTER", [(e.role, e.action) for e in events])
+        print("AFTER", [(e.role, e.action.value) for e in events])
     """)
     res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
-    assert "EVENTS [('input', 'kept')]" in res.stdout, res.stdout
-    # the tool let go: nothing holds the copy any more, so no leak either: reference counting
-    assert "AFTER [('input', 'refcounted')]" in res.stdout, res.stdout
+    assert "EVENTS [('input', 'held')]" in res.stdout, res.stdout
+    # the tool let go: nothing holds the recompute's view any more
+    assert "AFTER [('input', 'released')]" in res.stdout, res.stdout
 
 
-def test_without_a_leak_nothing_is_inspected_or_resized(patched, monkeypatch):
-    # A launch-bound H200 step (H=1024 GPT+MTP bf16, 26 ms) paid ~0.1 ms per checkpoint for a
-    # full decision, on checkpoints whose memory reference counting frees at the same moment.
-    from fixes.megatron import reclaim
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("a leak-free checkpoint must not be inspected further")
+def test_without_a_leak_nothing_is_resized_and_the_input_goes_at_once(patched, monkeypatch):
+    def must_not_resize(*args, **kwargs):
+        raise AssertionError("the reclaim must never resize a storage")
 
     remove_recompute_reclaim_patch(TARGET)
     h_ref, _, _ = _step(_Layer())
     apply_recompute_reclaim_patch(TARGET)
-    monkeypatch.setattr(reclaim, "_placeholder", must_not_run)
-    monkeypatch.setattr(torch.UntypedStorage, "resize_", must_not_run)
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", must_not_resize)
     with recompute_reclaim_events() as events:
         h, out, weak = _step(_Layer())
-    assert [(e.role, e.action) for e in events] == [("input", "refcounted")]
+    assert [(e.role, e.action) for e in events] == [("input", "released")]
     assert torch.UntypedStorage._expired(weak)  # freed by reference counting
     assert torch.equal(h.grad, h_ref.grad)
 
 
-def test_the_recompute_graph_leak_is_let_go_at_once_without_resizing(patched, monkeypatch):
-    # Megatron-LM #5227 shape: the module keeps a recompute intermediate; its graph holds the
-    # detached input and its grad. The reclaim lets go of them; no storage is resized.
+def test_the_recompute_graph_leak_holds_none_of_the_input(patched, monkeypatch):
+    # Megatron-LM #5227 shape: the module keeps a recompute intermediate. Its graph ends at the
+    # identity node's stand-in, not at the input: the input's memory and its grad go with the
+    # checkpoint's backward; no storage is resized.
     def must_not_resize(*args, **kwargs):
         raise AssertionError("the reclaim must never resize a storage")
 
     monkeypatch.setattr(torch.UntypedStorage, "resize_", must_not_resize)
+    remove_recompute_reclaim_patch(TARGET)
+    h_ref, _, _ = _step(_Layer(lambda t, out: ModuleStateLeak().keep(out)))
+    apply_recompute_reclaim_patch(TARGET)
     leak = ModuleStateLeak()
-    copies = []
+    views = []
     with recompute_reclaim_events() as events:
-        _, _, weak = _step(_Layer(lambda t, out: (leak.keep(out), copies.append(weakref.ref(t)))))
-    assert [(e.role, e.action) for e in events] == [("input", "detached"), ("grad", "dropped")]
+        h, _, weak = _step(_Layer(lambda t, out: (leak.keep(out), views.append(weakref.ref(t)))))
+    assert [(e.role, e.action) for e in events] == [("input", "released")]
     assert torch.UntypedStorage._expired(weak) and len(leak.kept) == 1
-    copy = copies[-1]()  # alive (the leaked graph holds it), its memory gone
-    assert copy is not None and copy.grad is None and copy.shape == (4, 8)
-    assert copy.untyped_storage().nbytes() == copy.element_size()  # the one-element placeholder
+    assert views[-1]() is None  # nothing holds the recompute's view of the input
+    assert torch.equal(h.grad, h_ref.grad)
     leak.clear()
 
 
@@ -208,7 +208,7 @@ def _side_result_code(chunked: bool) -> str:
                 del inp, h
                 out.sum().backward()
             side[-1].backward()  # reads the recompute's copy of the input
-            return w.grad.clone(), [(e.role, e.action) for e in events]
+            return w.grad.clone(), [(e.role, e.action.value) for e in events]
 
         reference, _ = run(False)
         got, events = run(True)
@@ -221,12 +221,13 @@ def _side_result_code(chunked: bool) -> str:
 def test_a_side_result_of_the_recompute_backwarded_later_reads_its_input(chunked):
     res = run_isolated(code=_side_result_code(chunked), timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
-    # the side result's node saved the copy: a reader, so the copy is kept untouched
-    assert "EVENTS [('input', 'kept')]" in res.stdout, res.stdout
+    # the side result's node saved the recompute's view of the input: it holds it, unchanged
+    assert "EVENTS [('input', 'held')]" in res.stdout, res.stdout
 
 
 def test_two_views_of_one_storage_in_one_checkpoint_are_both_let_go(patched):
-    # Review finding: both were kept (each view's storage count saw the other) and the leak stayed.
+    # Review finding (counting design): both were kept (each view's storage count saw the other)
+    # and the leak stayed.
     leak = ModuleStateLeak()
     h = torch.randn(4, 16, requires_grad=True) * 1.0
     a, b = torch.chunk(h, 2, -1)
@@ -241,7 +242,7 @@ def test_two_views_of_one_storage_in_one_checkpoint_are_both_let_go(patched):
     del h, a, b
     with recompute_reclaim_events() as events:
         out.sum().backward()
-    assert [e.action for e in events if e.role == "input"] == ["detached", "detached"]
+    assert [e.action for e in events if e.role == "input"] == ["released", "released"]
     assert torch.UntypedStorage._expired(weak)
     leak.clear()
 
@@ -255,7 +256,7 @@ def test_a_reference_cycle_holding_the_input_is_a_holder_and_goes_with_the_colle
         with recompute_reclaim_events() as events:
             _, _, weak = _step(_Layer(lambda t, out: PythonCycle(t) if torch.is_grad_enabled()
                                       else None))
-        assert [(e.role, e.action) for e in events] == [("input", "kept")]
+        assert [(e.role, e.action) for e in events] == [("input", "held")]
         assert not torch.UntypedStorage._expired(weak)
         gc.collect()
         assert torch.UntypedStorage._expired(weak)
@@ -282,7 +283,7 @@ def test_the_reclaim_runs_no_garbage_collection(patched):
     finally:
         gc.callbacks.remove(on_gc)
         gc.enable()
-    assert [(e.role, e.action) for e in events] == [("input", "kept")]
+    assert [(e.role, e.action) for e in events] == [("input", "held")]
     assert generations == []
 
 
@@ -341,9 +342,9 @@ def test_retain_graph_a_second_backward_recomputes_from_the_untouched_input():
         del out
         leak.clear()
         assert _released(weak)
-        print("EVENTS", [e.action for e in events])
+        print("EVENTS", [e.action.value for e in events])
     """)
     res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
-    # each recompute makes its own copies: the leaked ones are let go each time
-    assert "EVENTS ['detached', 'dropped', 'detached', 'dropped']" in res.stdout, res.stdout
+    # each recompute reads the input through its own identity node: released each time
+    assert "EVENTS ['released', 'released']" in res.stdout, res.stdout

@@ -7,11 +7,15 @@ Generated graphs: a base ``h``, a random chain of view ops to the checkpoint inp
 ``.data`` alias (make_viewless_tensor), one to three views of that storage passed to the same
 checkpoint, readers that save an alias for a later backward, aliases kept alive by the test, a
 module caching its recompute input, a side result built during the recompute and backwarded
-after the main backward (a pending node that saved the copy), a reference cycle holding the
-copy, a nested checkpoint, gradient accumulation over micro-batches, ``retain_graph`` with a
-second backward, collections during the recompute (objects promoted to the oldest generation),
-and the recompute leak (Megatron-LM #3221 / #5227: the module keeps a recompute intermediate,
-whose graph holds the checkpoint's detached input and its grad).
+after the main backward (a pending node that saved the input), a CPU-offload pack hook keeping
+only a weak reference and a host copy, a custom Function given the input inside a list, a
+no-grad view of the input kept for later, a gradient hook on the input, a walk of the leaked
+graph reading its leaves, a reference cycle holding the input, a nested checkpoint, gradient
+accumulation over micro-batches, ``retain_graph`` with a second backward, collections during
+the recompute (objects promoted to the oldest generation), and the recompute leak
+(Megatron-LM #3221 / #5227: the module keeps a recompute intermediate, whose graph ends at the
+checkpoint's input). What every reader saw is compared with the run without the reclaim:
+equal, or (a graph walk reaching the reclaim's stand-in) a Python error -- never another value.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ alias_graphs = st.fixed_dictionaries({
     "leak": st.booleans(),
     "cache": st.booleans(),
     "side": st.booleans(),
+    "weak_pack": st.booleans(),
+    "boxed": st.booleans(),
+    "nograd_view": st.booleans(),
+    "hook": st.booleans(),
+    "walk": st.booleans(),
     "cycle": st.booleans(),
     "nested": st.booleans(),
     "micro_batches": st.integers(1, 2),
@@ -71,20 +80,44 @@ alias_graphs = st.fixed_dictionaries({
 
 
 class _Holders(ModuleStateLeak):
-    """The recompute leak, plus the other holders of the detached copy a graph may have: a
-    module cache (readers), side results kept for a later backward, reference cycles."""
+    """The recompute leak, plus the other holders of the recompute's inputs a graph may have: a
+    module cache, side results kept for a later backward, no-grad views, gradient hooks."""
 
     def __init__(self):
         super().__init__()
         self.copies: list = []
         self.cache: list = []
         self.side: list = []
+        self.views: list = []
+        self.hooked: list = []
 
     def clear(self):
         super().clear()
-        self.copies.clear()
-        self.cache.clear()
-        self.side.clear()
+        for held in (self.copies, self.cache, self.side, self.views, self.hooked):
+            held.clear()
+
+
+def _weak_pack(t):
+    return weakref.ref(t), t.detach().clone()  # CPU offload: a host copy, the live one preferred
+
+
+def _weak_unpack(packed):
+    live = packed[0]()
+    return live if live is not None else packed[1]
+
+
+class _Boxed(torch.autograd.Function):
+    """Saves the tensor it gets inside a list (not an autograd input of its own)."""
+
+    @staticmethod
+    def forward(ctx, w, box):
+        ctx.save_for_backward(box[0])
+        return (box[0].detach() * w).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.detach().sum(), None
 
 
 def _segment(graph, seg, holders):
@@ -98,7 +131,17 @@ def _segment(graph, seg, holders):
             if graph["cache"]:
                 holders.cache.append(inputs[0])
             if graph["side"]:
-                holders.side.append((inputs[-1] * seg.w).sum())  # saves the copy and w
+                holders.side.append((inputs[-1] * seg.w).sum())  # saves the input and w
+            if graph["weak_pack"]:
+                with torch.autograd.graph.saved_tensors_hooks(_weak_pack, _weak_unpack):
+                    holders.side.append((inputs[0] * seg.w).square().sum())
+            if graph["boxed"]:
+                holders.side.append(_Boxed.apply(seg.w, [inputs[-1]]))
+            if graph["nograd_view"]:
+                with torch.no_grad():
+                    holders.views.append(inputs[0][..., :1])
+            if graph["hook"]:
+                inputs[0].register_hook(lambda g: holders.hooked.append(g.detach().clone()))
             if graph["cycle"]:
                 PythonCycle(inputs[0])
             if graph["collect"]:
@@ -174,6 +217,54 @@ def _grads(params):
     return out
 
 
+_RAISED = "raised"
+
+
+def _walk_leaves(outs) -> list:
+    """The values of every non-parameter leaf the graphs of ``outs`` reach
+    (``AccumulateGrad.variable``), or ``_RAISED`` where reading one raises."""
+    seen, values, stack = set(), [], [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and not isinstance(variable, nn.Parameter):
+            try:
+                values.append(variable.detach().clone())
+            except RuntimeError:
+                values.append(_RAISED)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return values
+
+
+def _observed(graph, holders) -> dict:
+    """What the readers of the recompute's inputs saw, once the step is over."""
+    return {
+        "cache": [t.detach().clone() for t in holders.cache],
+        "cache.grad": [t.grad.detach().clone() for t in holders.cache],
+        "views": [v.clone() for v in holders.views],
+        "views._base": [v._base.detach().clone() for v in holders.views],
+        "hooked": list(holders.hooked),
+        "walk": _walk_leaves(holders.kept) if graph["walk"] else [],
+    }
+
+
+def _expected_actions(graph, n_inputs: int) -> list[set]:
+    """Per checkpoint input, the events allowed: ``held`` where a holder other than the
+    recompute graph keeps the recompute's view of it past the checkpoint's backward."""
+    expected = []
+    for j in range(n_inputs):
+        first, last = j == 0, j == n_inputs - 1
+        held = ((graph["cache"] or graph["nograd_view"]) and first) or (
+            (graph["side"] or graph["boxed"]) and last)
+        # a cycle holds it until a collection, which may come before the backward ends
+        maybe = graph["cycle"] and first and not graph["collect"]
+        expected.append({"held"} if held else {"held", "released"} if maybe else {"released"})
+    return expected
+
+
 def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     """The invariants of one generated graph (runs in the child)."""
     from fixes.sanitize import storage_sanitizer
@@ -184,7 +275,7 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     remove_recompute_reclaim_patch(TARGET)
     _step(graph, params, x, holders)
     reference = _grads(params)
-    cached_ref = [t.detach().clone() for t in holders.cache]
+    seen_ref = _observed(graph, holders)
     holders.clear()
     if graph["cycle"]:
         gc.collect()  # the reference run's cycles (a full collection: they may have been promoted)
@@ -196,38 +287,43 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
             weak_h, kept = _step(graph, params, x, holders)
     finally:
         remove_recompute_reclaim_patch(TARGET)
-    # 1. No reader saw a wrong value: grads equal the no-reclaim run's, caches readable.
+    # 1. No reader saw another value: grads equal the no-reclaim run's (the side results', the
+    # offload hook's and the boxed Function's included), and so do the cached inputs and their
+    # .grad, the no-grad views and their bases, the hooks' gradients. A walk of the leaked graph
+    # reads the inputs' values or raises (it reaches the reclaim's stand-in).
     got = _grads(params)
     for g, r in zip(got, reference, strict=True):
         assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), "grads differ from the no-reclaim run"
-    for t, ref in zip(holders.cache, cached_ref, strict=True):
-        assert torch.equal(t.detach(), ref) and t.grad is not None  # readable, grad kept
+    seen = _observed(graph, holders)
+    for name, values in seen.items():
+        if name == "walk":
+            assert all(v is _RAISED or any(torch.equal(v, r) for r in seen_ref["walk"]
+                                           if r is not _RAISED) for v in values), name
+            continue
+        assert len(values) == len(seen_ref[name]), name
+        assert all(torch.equal(v, r) for v, r in zip(values, seen_ref[name], strict=True)), name
     # 2. Nothing is ever resized: every alias the test kept still has all its memory.
     assert all(t.untyped_storage().nbytes() > 0 for t in kept)
     actions = {e.action for e in events}
-    assert actions <= {"refcounted", "detached", "kept", "dropped"}, actions
-    # 3. The decision per copy: nothing but the checkpoint held it -> left to reference
-    # counting; only a leaked graph -> detached; a reader (cache, side result, cycle) -> kept.
+    assert actions <= {"released", "held"}, actions
+    # 3. The events: per input, ``held`` exactly where a holder outside the recompute graph
+    # keeps the recompute's view of it.
     outer = [e.action for e in events if e.role == "input"]
-    reader = graph["cache"] or graph["side"] or graph["cycle"] or graph["collect"]
-    if not graph["nested"] and not reader:
-        expected = "detached" if graph["leak"] else "refcounted"
-        assert set(outer) == {expected}, outer
-    if graph["cache"] or graph["side"] or (graph["cycle"] and not graph["collect"]):
-        assert "kept" in outer, outer  # (a collection in the recompute collects the cycle)
-    # 4. The leak's memory: gone once no real reader remains (a cycle: once collected). A copy
-    # kept for a reader that held it at the checkpoint's backward (a side result, a cycle not yet
-    # collected) stays with the leak until the leak goes (the module's next forward).
+    if not graph["nested"]:
+        per_backward = _expected_actions(graph, graph["views"])
+        backwards = graph["micro_batches"] * (2 if graph["retain"] else 1)
+        assert len(outer) == backwards * len(per_backward), outer
+        for i, action in enumerate(outer):
+            assert action in per_backward[i % len(per_backward)], (i, outer)
+    # 4. The leak's memory: the recompute graph holds none of the input, so the storage is gone
+    # once the step is over, unless the test keeps an alias, a cache or a view of it (a cycle:
+    # once collected).
     if graph["cycle"]:
         gc.collect()  # full: a cycle promoted to the oldest generation goes only with it
-    read_at_backward = graph["side"] or (graph["cycle"] and not graph["collect"])
-    if not (kept or graph["cache"] or (graph["leak"] and read_at_backward)):
-        assert storage_gone(weak_h), f"the leak kept memory no reader holds: {events}"
-    if graph["leak"] and not reader and not graph["nested"]:
-        for ref in holders.copies:
-            copy = ref()  # alive (the leaked graph holds it), its memory let go
-            assert copy is not None and copy.grad is None
-            assert copy.untyped_storage().nbytes() == copy.element_size()
+    if not (kept or graph["cache"] or graph["nograd_view"]):
+        assert storage_gone(weak_h), f"memory no reader holds outlived the step: {events}"
+    if graph["leak"] and not graph["nested"] and not (graph["cache"] or graph["nograd_view"]):
+        assert all(ref() is None for ref in holders.copies), "the leak holds an input"
     holders.clear()
 
 
@@ -285,7 +381,8 @@ def test_generated_alias_graphs_cuda():
 def plain_graph(**changes) -> dict:
     """A graph of ``alias_graphs``' shape with nothing in it but ``changes``."""
     graph = dict(chain=[], viewless=False, views=1, readers=[False] * 5, kept=[False] * 5,
-                 leak=False, cache=False, side=False, cycle=False, nested=False,
+                 leak=False, cache=False, side=False, weak_pack=False, boxed=False,
+                 nograd_view=False, hook=False, walk=False, cycle=False, nested=False,
                  micro_batches=1, retain=False, collect=False)
     graph.update(changes)
     return graph
@@ -323,17 +420,18 @@ def test_leaked_recompute_input_is_let_go_at_once():
         apply_recompute_reclaim_patch(TARGET)
         with recompute_reclaim_events() as events:
             weak_h, _ = _step(graph, params, x, holders)
-        (copy,) = [ref() for ref in holders.copies]
-        assert storage_gone(weak_h), events  # the input's memory went with its last holder
-        assert copy.untyped_storage().nbytes() == copy.element_size()  # alive, a placeholder
-        # The grad was handed back to autograd; the leaked copy no longer holds it, so
-        # reference counting freed it once the previous layer had consumed it.
-        assert copy.grad is None, events
-        (grad_event,) = [e for e in events if e.role == "grad"]
-        assert grad_event.action == "dropped" and grad_event.nbytes == 4 * 8 * 4
-        assert [e.action for e in events if e.role == "input"] == ["detached"]
+        # The leaked graph ends at the identity node's stand-in: the recompute's view of the
+        # input is gone, and with it (nothing else holds it) the input's memory; the gradient
+        # went to autograd, never onto a tensor the leak keeps.
+        assert storage_gone(weak_h), events
+        assert [ref() for ref in holders.copies] == [None]
+        assert [(e.role, e.action, e.nbytes) for e in events] == [("input", "released", 4 * 8 * 4)]
+        (kept,) = holders.kept
+        walked = _walk_leaves([kept])
+        assert walked == [_RAISED]  # the walk reaches the stand-in, whose values cannot be read
     finally:
         remove_recompute_reclaim_patch(TARGET)
+        holders.clear()
 
 
 @pytest.mark.cpu
@@ -418,18 +516,18 @@ def test_compute_sanitizer_memcheck_fixed_path_releases(name):
     fixed = _memcheck(name, "--fixed")
     out = fixed.stdout + fixed.stderr
     assert fixed.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-4000:]
-    # 0 errors must come from a run that let the leak go: the leaked chunk view's copy
-    # detached, so the shared storage went after its last reader (the repro checks it).
+    # 0 errors must come from a run that let the leak go: the leaked graph held nothing of the
+    # chunk view, so the shared storage went after its last reader (the repro checks it).
     (line,) = [ln for ln in fixed.stdout.splitlines() if ln.startswith("reclaim events:")]
-    assert "input:detached" in line, line
+    assert "input:released" in line, line
 
 
 @pytest.mark.gpu
 def test_compute_sanitizer_memcheck_real_moe_step_with_releases():
     """The reclaim's path itself under memcheck: a real megatron-core MoE GPT (4 layers, full
-    recompute, the #3221 leak) trained one step with the reclaim detaches its checkpoints'
-    leaked copies (``input:detached``: nothing else holds them), and memcheck reports no
-    error."""
+    recompute, the #3221 leak) trained one step with the reclaim: its recompute graphs hold
+    none of their inputs (``input:released``: nothing else holds them), and memcheck reports
+    no error."""
     _need_sanitizer()
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     r = _under_memcheck("benchmarks.megatron_scale", "--child", "moe", "ours", "--device", "cuda",
@@ -439,8 +537,8 @@ def test_compute_sanitizer_memcheck_real_moe_step_with_releases():
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("CELLS ")]
     (cell,) = json.loads(line[len("CELLS "):])
     assert cell["error"] is None, cell["error"]
-    assert cell["events"].get("input:detached", 0) >= 1, cell["events"]
-    assert "input:kept" not in cell["events"], cell["events"]
+    assert cell["events"].get("input:released", 0) >= 1, cell["events"]
+    assert "input:held" not in cell["events"], cell["events"]
 
 
 @pytest.mark.gpu
@@ -471,7 +569,7 @@ def _need_verl(version: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", [False, True], ids=["verl-0.8.0", "alias-aware"])
+@pytest.mark.parametrize("fixed", [False, True], ids=["verl-0.8.0", "ours"])
 def test_megatron_gpt_mtp_finding_chunked_mtp_input_is_not_read_after_its_backward(fixed):
     """A recorded finding, kept under test (H200, megatron-core 0.19.2, 2026-11-30): a real
     GPT + MTP (local spec, full recompute) feeds the MTP layer a viewless torch.chunk of the

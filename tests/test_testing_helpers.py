@@ -42,7 +42,7 @@ def test_reclaim_acts_on_cpu(megatron_recompute_reclaim):
     reference = torch.autograd.grad(lin(x).sum(), x)[0]
     assert mrandom.CheckpointFunction.backward is not ORIGINAL_BACKWARD  # the reclaim is in
     assert torch.equal(_step(lin, x), reference)
-    assert [(e.role, e.action) for e in megatron_recompute_reclaim] == [("input", "refcounted")]
+    assert [(e.role, e.action) for e in megatron_recompute_reclaim] == [("input", "released")]
 
 
 def test_megatron_cpu_yields_tensor_parallel(megatron_cpu):

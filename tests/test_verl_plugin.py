@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fixes.megatron.reclaim import PATCH_KIND
 from fixes.verl.post_import import pending, when_imported
 from fixes.verl.switch import ENV, plugin_enabled
 from repro import run_isolated
@@ -298,7 +299,7 @@ def test_verl_reclaim_on_a_shared_chunk_view_crashes_without_the_plugin():
 def test_verl_reclaim_installs_ours_with_the_plugin_grads_equal_and_leak_freed():
     _need_megatron()
     got = _result(_scenario("reclaim", _fixed_env()))
-    assert got["installed"] == "alias-aware"
+    assert got["installed"] == PATCH_KIND
     assert got["grads_equal"]
     assert got["leaked_without_reclaim"] and got["freed"]  # the leak exists, and is let go
 
@@ -309,7 +310,7 @@ def test_a_verl_reclaim_installed_before_the_plugin_is_replaced():
     _need_megatron()
     got = _result(_scenario("reclaim-late", _unfixed_env()))
     assert got["before_plugin"].startswith("foreign:")
-    assert got["installed"] == "alias-aware" and got["grads_equal"] and got["freed"]
+    assert got["installed"] == PATCH_KIND and got["grads_equal"] and got["freed"]
 
 
 @pytest.mark.cpu
@@ -322,9 +323,9 @@ def test_a_ray_worker_that_imports_verl_installs_ours(fixed):
     got = _result(_scenario("ray", _fixed_env() if fixed else _unfixed_env()))
     assert got["pid"] != got["driver_pid"] and got["verl"] == VERL
     if fixed:
-        assert got["plugin"]["version"] == VERL and got["installed"] == "alias-aware"
+        assert got["plugin"]["version"] == VERL and got["installed"] == PATCH_KIND
     else:
-        assert got["plugin"] is None and got["installed"] != "alias-aware"
+        assert got["plugin"] is None and got["installed"] != PATCH_KIND
 
 
 @pytest.mark.cpu
@@ -338,7 +339,7 @@ def test_the_ray_worker_starts_whatever_the_checkouts_depth(tmp_path):
         pytest.skip("ray is not installed")
     deep = tmp_path / ("d" * 60)
     got = _result(_scenario("ray", dict(_fixed_env(), RAY_TMPDIR=str(deep))))
-    assert got["installed"] == "alias-aware"
+    assert got["installed"] == PATCH_KIND
 
 
 def _need_torchtitan_engine() -> None:
@@ -461,10 +462,10 @@ def test_gpu_verl091_engine_order_with_the_plugin_runs_clean_and_frees_the_moe_l
     done = _gpu_order(order)
     got = _result(done)
     print(json.dumps(got))  # the figures, for the evidence log (-rA / -s)
-    assert got["installed"] == "alias-aware" and got["grads_equal"] and got["freed"]
+    assert got["installed"] == PATCH_KIND and got["grads_equal"] and got["freed"]
     assert "illegal memory access" not in done.stderr
     # What the MoE GPT keeps between steps: less than megatron's own backward (the #3221
-    # leak), as the alias-aware reclaim does when installed directly (README: 192.8 vs 256.8
+    # leak), as stackfix's reclaim does when installed directly (README: 192.8 vs 256.8
     # MiB at this size on the H200).
     assert got["moe"]["installed"]["kept_mib"] < got["moe"]["none"]["kept_mib"]
     # ... and equal (the gate's 0.5%) to what the bench measured for the reclaim installed

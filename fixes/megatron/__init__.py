@@ -7,17 +7,21 @@ from fixes.megatron.mtp_postprocess import (
     wrap_postprocess,
 )
 from fixes.megatron.reclaim import (
+    ReclaimAction,
     ReclaimEvent,
     apply_recompute_reclaim_patch,
+    installed_reclaim,
     recompute_reclaim_events,
     remove_recompute_reclaim_patch,
 )
 from fixes.megatron.storage import is_storage_exclusive
 
 __all__ = [
+    "ReclaimAction",
     "ReclaimEvent",
     "apply_mtp_postprocess_patch",
     "apply_recompute_reclaim_patch",
+    "installed_reclaim",
     "is_storage_exclusive",
     "recompute_reclaim_events",
     "remove_mtp_postprocess_patch",

@@ -1,6 +1,6 @@
-"""Who else holds a tensor's memory? ``is_storage_exclusive`` answers it for tools that must know
-(the storage sanitizer, users auditing a ``resize_(0)``); ``python_refs_beyond`` counts Python
-references, from ``getrefcount_baseline``, which the reclaim reads directly on its hot path.
+"""Who else holds a tensor's memory? ``is_storage_exclusive`` answers it for users auditing a
+``resize_(0)`` (the reclaim itself counts nothing: its recompute graphs hold no reference to
+their inputs, ``fixes.megatron.reclaim``).
 
 Why it matters: verl's recompute reclaim (verl #5251, the workaround for Megatron-LM #3221)
 calls ``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)`` frees the
@@ -8,7 +8,7 @@ calls ``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)``
 ``.data`` aliases that megatron's ``make_viewless_tensor`` builds (``_base`` is None, the storage
 is still shared, so a ``_base``-based test misses it). When one of those belongs to an autograd
 node whose backward has not run yet, that node reads freed memory (verl #7328: SIGSEGV on CPU,
-CUDA illegal memory access on GPU). stackfix's own reclaim never resizes a storage.
+CUDA illegal memory access on GPU).
 
 How, at two levels:
 
@@ -24,22 +24,20 @@ How, at two levels:
   autograd ``SavedVariable`` of an input, an ``AccumulateGrad`` node, a view's base pointer)
   one more. ``sys.getrefcount`` would only see Python references and misses all of these.
 
-Python names bound to the *same* tensor object are not other tensors: they are the caller's
-business. :func:`python_refs_beyond` counts them for callers that know how many they hold
-themselves (the reclaim compares ``sys.getrefcount`` with :func:`getrefcount_baseline` inline).
+What no count sees: a weak reference, or a reader that will read through a Python object it
+can still reach later. A "no" is always safe; a "yes" says only that no *tensor* shares it.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["getrefcount_baseline", "is_storage_exclusive", "python_refs_beyond", "storage_key"]
+__all__ = ["is_storage_exclusive", "storage_key"]
 
 # ``Tensor._use_count`` (the TensorImpl's reference count): without it no holder can be counted,
-# so no storage is inspectable, the reclaim detaches nothing, and every answer is the safe one.
+# so no storage is inspectable and every answer is the safe one.
 COUNTS_TENSOR_HOLDERS = hasattr(torch.Tensor, "_use_count")
 
 
@@ -108,39 +106,3 @@ def is_storage_exclusive(
         return False
     # The Python object we were handed owns one reference to the TensorImpl.
     return tensor._use_count() - 1 <= saved_refs + owned_views
-
-
-def python_refs_beyond(objects: Sequence[object], index: int) -> int:
-    """Python references to ``objects[index]`` other than the slot in ``objects`` itself.
-
-    Calibrated, not hard-coded: a probe object held in the same way gives the baseline, so the
-    answer does not depend on how ``sys.getrefcount`` counts its own argument on this Python
-    version. PyTorch 2.13 (measured) makes a TensorImpl that has C++ holders keep a reference to its
-    Python object; the probe reproduces that state (a tensor with a view), so that reference is
-    not mistaken for a foreign one on any version.
-    """
-    obj = objects[index]
-    with_holder = isinstance(obj, torch.Tensor) and obj._use_count() > 1
-    extra = sys.getrefcount(objects[index]) - getrefcount_baseline(with_holder)
-    del obj
-    # `obj` above was one more reference while the count was taken.
-    return extra - 1
-
-
-_baselines: dict[bool, int] = {}
-
-
-def getrefcount_baseline(with_cpp_holder: bool) -> int:
-    """``sys.getrefcount`` of an object held only by one list slot: a tensor that has a C++
-    holder (a view) when ``with_cpp_holder``, else a plain object. Measured once per process
-    (it depends on the interpreter and torch, not on the call): probing every call cost a tensor
-    allocation per checkpoint input."""
-    if with_cpp_holder not in _baselines:
-        if with_cpp_holder:
-            probe = [torch.empty(0)]
-            keep = probe[0].view(0)  # a C++ holder
-        else:
-            probe, keep = [object()], None
-        _baselines[with_cpp_holder] = sys.getrefcount(probe[0])
-        del keep
-    return _baselines[with_cpp_holder]

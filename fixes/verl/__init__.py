@@ -11,7 +11,7 @@ it changes and patches it as it is imported (``fixes.verl.post_import``), so the
 calls does not matter:
 
 - crash 2, ``fixes.verl.reclaim``: ``apply_patch_megatron_recomputation_backward`` installs
-  ``fixes.megatron``'s alias-aware reclaim (verl #7328, Megatron-LM #3221);
+  ``fixes.megatron``'s recompute reclaim (verl #7328, Megatron-LM #3221);
 - crash 1, ``fixes.verl.torchtitan_engine``: ``TorchTitanEngine``'s activation checkpointing
   re-enters the spmd mesh in recompute, on any thread (verl #6950);
 - crash 3, ``fixes.verl.mtp``: verl 0.8.0's MTP postprocess forwards ``mhc_multistream``;
