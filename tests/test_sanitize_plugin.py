@@ -99,9 +99,9 @@ def _run(pytester, *args, tests: str = INNER_TESTS) -> pytest.RunResult:
 
 def test_entry_point_is_declared_in_pyproject():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    # stackfix-testing: repro.testing's fixtures (megatron_cpu, megatron_recompute_reclaim).
-    assert meta["project"]["entry-points"]["pytest11"] == {"stackfix": PLUGIN,
-                                                           "stackfix-testing": "repro.testing"}
+    # stackfix-testing: the users' fixtures (megatron_cpu, megatron_recompute_reclaim).
+    assert meta["project"]["entry-points"]["pytest11"] == {
+        "stackfix": PLUGIN, "stackfix-testing": "fixes.testing.pytest_plugin"}
     module = pytest.importorskip(PLUGIN)
     assert callable(module.pytest_addoption) and callable(module.pytest_runtest_protocol)
 

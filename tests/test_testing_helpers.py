@@ -1,6 +1,7 @@
-"""repro.testing: the public helpers (and pytest fixtures) for running megatron-core's checkpoint
+"""fixes.testing: the public helpers (and pytest fixtures) for running megatron-core's checkpoint
 and fixes.megatron's reclaim in one's own CPU tests. Each scenario runs as a user's test file in
-an inner pytest (a child process), found through the installed ``stackfix-testing`` plugin."""
+an inner pytest (a child process), found through the installed ``stackfix-testing`` plugin, in
+a session that cannot import the harness (``repro``): what a training environment has."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 pytest_plugins = ("pytester",)
+PLUGIN = "fixes.testing.pytest_plugin"
 
 _USER_TESTS = '''
 import pytest
@@ -62,11 +64,12 @@ def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
     pytester.makepyfile(test_user=_USER_TESTS)
+    # The harness is not installed with the fixes: nothing the helpers run may import it.
+    pytester.makeconftest("import sys\n\nsys.modules['repro'] = None  # import repro: ImportError\n")
     # Where stackfix is installed the entry point loads the fixtures; from a source tree on
     # PYTHONPATH only (a GPU runner's offline set-up), the plugin is named.
-    installed = any(ep.value == "repro.testing"
-                    for ep in importlib.metadata.entry_points(group="pytest11"))
-    plugin = [] if installed else ["-p", "repro.testing"]
+    installed = any(ep.value == PLUGIN for ep in importlib.metadata.entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", PLUGIN]
     result = pytester.runpytest_subprocess(*plugin, "-p", "no:cacheprovider", "-q", "-rs")
     outcomes = result.parseoutcomes()
     # With CUDA present the no-helper case skips (nothing to shim); every other test passes.
@@ -74,8 +77,9 @@ def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
     assert outcomes.get("passed", 0) >= 3 and not {"failed", "errors"} & set(outcomes), outcomes
 
 
-def test_importing_repro_testing_imports_no_torch():
-    code = "import sys, repro.testing; print([m for m in ('torch', 'megatron') if m in sys.modules])"
+def test_loading_the_plugin_imports_no_torch():
+    code = (f"import sys, {PLUGIN}, fixes.testing; "
+            "print([m for m in ('torch', 'megatron', 'repro') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip() == "[]"

@@ -99,6 +99,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 
+from repro.harness.checkout import with_checkout
 from repro.harness.isolated_result import IsolatedResult
 
 ENV = "STACKFIX_FORKSERVER"
@@ -164,7 +165,7 @@ class _Client:
         from ``base`` (a server whose preloads are a prefix of those); ``UnsafePreload`` when
         one of them leaves it unable to fork, OSError when it does not start."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ, **_SERVER_ENV)
+        env = with_checkout(dict(os.environ, **_SERVER_ENV))
         proc = None
         try:
             if base is None:
