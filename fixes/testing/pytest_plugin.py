@@ -1,6 +1,11 @@
 """pytest plugin for users' own regression tests (the ``pytest11`` entry point
-``stackfix-testing``; without installing, ``-p fixes.testing.pytest_plugin``). Fixtures, each
-skipping its test when megatron-core is not installed:
+``stackfix-testing``; without installing, ``-p fixes.testing.pytest_plugin``).
+
+The markers ``cpu`` (runs on any machine) and ``gpu`` (needs CUDA) are registered, so tests
+marked as stackfix's own are accepted under ``--strict-markers``; a project that declares
+either marker itself keeps its own declaration. Nothing is skipped or selected by them here.
+
+Fixtures, each skipping its test when megatron-core is not installed:
 
 - ``megatron_cpu``: ``fixes.testing.megatron_on_cpu()`` around the test; yields
   ``megatron.core.tensor_parallel``;
@@ -17,6 +22,16 @@ from __future__ import annotations
 import pytest
 
 from fixes.testing import megatron_on_cpu, recompute_reclaim
+
+MARKERS = {"cpu": "runs on any machine (CPU only)", "gpu": "needs CUDA"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A `markers` line is "name: help" or "name(args): help".
+    declared = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+    for name, help_ in MARKERS.items():
+        if name not in declared:
+            config.addinivalue_line("markers", f"{name}: {help_}")
 
 
 @pytest.fixture
