@@ -39,7 +39,7 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
 
     setup_megatron(device)
     if device == "cpu":
-        from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+        from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 
         install_megatron_cpu_moe_shim()
     gpt = _build(model, "allgather", hidden, seq, dtype, device)

@@ -117,6 +117,10 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
     if not shown:
         raise ValueError(f"all {len(runs)} run(s) come from a dirty tree; pass include_dirty")
     views = scenario_views(shown, baselines)
+    sections = [anchor(v.kind, v.scenario) for v in views]
+    if unknown := [a for a in open_sections if a not in sections]:
+        raise ValueError(f"--open {unknown[0]!r}: no such section; the sections: "
+                         f"{', '.join(sections)}")
     colours = _strategy_colours(views)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     dirty_note = (f"; {len(left_out)} run(s) of a dirty tree left out (--include-dirty shows them, "

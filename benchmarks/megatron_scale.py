@@ -363,7 +363,7 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
 
     setup_megatron(device, expert_parallel=ep)
     if device == "cpu":
-        from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+        from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 
         install_megatron_cpu_moe_shim()  # megatron's MoE router asks CUDA for its device
     def install(name: str) -> None:

@@ -176,6 +176,20 @@ def test_cli_writes_the_page_and_only_the_readme_block(tmp_path, capsys):
     assert "not pytest-benchmark JSON" in capsys.readouterr().err
 
 
+def test_an_open_section_that_does_not_exist_is_refused_naming_the_sections(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--open 'nosuch': no such section; the sections: "
+                       "cpu-recompute-reclaim-chunked-mtp, gpu-h200-megatron-scale-moe-2048x4096-fp32"):
+        dashboard.render([GPU, NEW], open_sections=("nosuch",))
+    result = tmp_path / "run.json"
+    result.write_text(json.dumps({"benchmarks": [bench(SCN, "ours", peak_bytes=MiB)],
+                                  "datetime": "2026-11-03T00:00:00",
+                                  "commit_info": {"id": "3333333333", "dirty": False}}))
+    out = tmp_path / "d.html"
+    assert dashboard.main([str(result), "-o", str(out), "--open", "nosuch"]) == 2
+    assert "dashboard: --open 'nosuch': no such section" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_render_needs_a_run():
     with pytest.raises(ValueError, match="at least one run"):
         dashboard.render([])

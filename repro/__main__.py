@@ -8,6 +8,7 @@ Exit status:
   0  nothing bad; every repro named with --only ran
   1  at least one repro was bad
   2  bad arguments (unknown repro or device, CUDA asked for but absent, --json not writable)
+     or a bad STACKFIX_* variable (repro.harness.environment)
   3  nothing bad, but a repro named with --only was skipped (with --strict: any repro that
      has a variant for this device was skipped)
 """
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 # Only torch-free modules here: --help, --list and bad arguments answer from repro/catalog.json
 # without importing a repro module (tests/test_cli_imports.py checks sys.modules).
 from repro import catalog
-from repro.harness import forkserver
+from repro.harness import environment, forkserver
 from repro.registry import DEVICES, find
 from repro.runner import ReproOutcome, run_repro, skip_reason, skipped_outcome
 
@@ -109,6 +110,8 @@ def exit_status(outcomes: list[ReproOutcome], asked: list[str], strict: bool) ->
 
 def _writable(path: str) -> str | None:
     """Why ``path`` cannot be written, or None (checked before any repro runs)."""
+    if not path:
+        return "an empty path"
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return f"{path} is a directory"
@@ -135,7 +138,10 @@ def default_jobs(device: str, gpu_bytes: int = 0, cores: int = 1) -> int:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (N >= 1)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -166,18 +172,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown device {args.device!r}; allowed: {', '.join(DEVICES)}", file=sys.stderr)
         return 2
     repros = catalog.load()
-    if args.list:
-        for r in repros.values():
-            print(f"{r.name:34} [{','.join(r.devices)}] {r.summary}")
-        return 0
     names = args.only or list(repros)
     unknown = [n for n in names if n not in repros]
     if unknown:
         print(f"error: unknown repro {', '.join(map(repr, unknown))}; known: {', '.join(repros)}",
               file=sys.stderr)
         return 2
-    if args.json and (why := _writable(args.json)):
-        print(f"error: --json {args.json}: {why}", file=sys.stderr)
+    if args.list:
+        for name in names:
+            r = repros[name]
+            print(f"{r.name:34} [{','.join(r.devices)}] {r.summary}")
+        return 0
+    if args.json is not None and (why := _writable(args.json)):
+        print(f"error: --json {args.json!r}: {why}", file=sys.stderr)
+        return 2
+    if problems := environment.problems():
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
         return 2
     if args.device == "cuda":
         import torch

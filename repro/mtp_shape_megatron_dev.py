@@ -75,7 +75,7 @@ def setup_dev_megatron(device: str) -> None:
 
     setup_megatron(device)
     if device == "cpu":
-        from repro.harness.megatron_cpu import install_megatron_cpu_shims
+        from fixes.testing.megatron_cpu import install_megatron_cpu_shims
 
         install_megatron_cpu_shims(force=True)
     install_local_spec_nd_wgrad_workaround()

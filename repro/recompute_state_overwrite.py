@@ -117,7 +117,7 @@ def run(fixed: bool, device: str) -> None:
 def run_megatron(fixed: bool, device: str) -> None:
     if device != "cpu":
         raise ValueError(f"recompute-state-overwrite-megatron runs on CPU; got device={device!r}")
-    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+    from fixes.testing.megatron_cpu import install_megatron_cpu_rng_shim
 
     install_megatron_cpu_rng_shim()
     _run("megatron", fixed)

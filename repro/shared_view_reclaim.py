@@ -46,7 +46,7 @@ Repros (the unfixed reclaim of the ``-verl`` ones is verl's released code, ``rep
   now the release itself) does NOT crash and its grads match;
   ``tests/test_recompute_reclaim.py`` keeps that finding under test.
 
-On CPU, megatron and verl run through repro/harness/megatron_cpu.py's RNG and stream shims.
+On CPU, megatron and verl run through fixes/testing/megatron_cpu.py's RNG and stream shims.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def setup_megatron(device: str, seed: int = 1234, expert_parallel: int = 1) -> N
     from megatron.core import parallel_state, tensor_parallel
 
     if device == "cpu":
-        from repro.harness.megatron_cpu import (
+        from fixes.testing.megatron_cpu import (
             install_cpu_stream_shim,
             install_megatron_cpu_memory_buffer_shim,
             install_megatron_cpu_rng_shim,

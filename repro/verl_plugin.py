@@ -29,7 +29,7 @@ Every scenario prints one ``RESULT {json}`` line the test reads.
   (the checkout ``STACKFIX_MEGATRON_LM`` names; repro/mtp_shape_megatron_dev.py's model and
   checks). Unfixed on verl 0.8.0: ``TypeError: ... unexpected keyword argument 'padding_mask'``.
 
-On CPU megatron-core runs through repro/harness/megatron_cpu.py's RNG and stream shims.
+On CPU megatron-core runs through fixes/testing/megatron_cpu.py's RNG and stream shims.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from repro.registry import Skipped
 __all__ = [
     "ENV_ROOT",
     "RELEASES",
+    "VerlInstallError",
     "VerlUnavailable",
     "VerlVersionConflict",
     "import_verl",
@@ -65,6 +66,10 @@ RELEASES = ("0.8.0", "0.9.1")  # the releases the repros and tests compare
 class VerlUnavailable(Skipped, ImportError):
     """The requested verl release is not installed under the root; the message says how to.
     A ``repro.Skipped``: a repro that needs the release is reported skipped with that reason."""
+
+
+class VerlInstallError(RuntimeError):
+    """pip could not install a release (the message says which, and where)."""
 
 
 class VerlVersionConflict(RuntimeError):
@@ -228,7 +233,8 @@ def _global_reads(table: symtable.SymbolTable) -> set[str]:
 
 def install(versions=RELEASES, root: Path | None = None) -> list[Path]:
     """``pip install --no-deps --target <root>/<version> verl==<version>`` for each version not
-    installed yet (pure-python wheels, ~1.5 MB each). Returns the release directories."""
+    installed yet (pure-python wheels, ~1.5 MB each). Returns the release directories;
+    VerlInstallError when pip fails."""
     root = verl_root() if root is None else Path(root)
     done = []
     for version in versions:
@@ -239,7 +245,10 @@ def install(versions=RELEASES, root: Path | None = None) -> list[Path]:
             cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(where),
                    f"verl=={version}"]
             print("+", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True)
+            status = subprocess.run(cmd).returncode
+            if status != 0:
+                raise VerlInstallError(f"pip could not install verl=={version} into {where} "
+                                       f"(exit status {status}; its output above)")
         done.append(where)
     return done
 
@@ -250,9 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("install", help="pip install --no-deps --target ROOT/VERSION verl==VERSION")
     p.add_argument("--root", type=Path, default=None,
                    help=f"default: ${ENV_ROOT}, else {DEFAULT_ROOT}")
-    p.add_argument("versions", nargs="*", default=list(RELEASES))
+    p.add_argument("versions", nargs="*", default=list(RELEASES), metavar="VERSION",
+                   help=f"one of {', '.join(RELEASES)} (default: all)")
     args = parser.parse_args(argv)
-    install(args.versions, args.root)
+    for version in args.versions:
+        if version not in RELEASES:
+            p.error(f"verl {version} is not one of the releases the repros compare: "
+                    f"{', '.join(RELEASES)}")
+    try:
+        install(args.versions, args.root)
+    except VerlInstallError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

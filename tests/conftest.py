@@ -1,12 +1,15 @@
 """Suite-wide rules: every test carries exactly one of the ``cpu`` / ``gpu`` markers, and
 ``gpu`` tests skip (with the reason) where CUDA is absent instead of erroring. Under xdist each
-worker's torch takes its share of the cores."""
+worker's torch takes its share of the cores. A harness variable with a bad value
+(repro.harness.environment) stops the session at once."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from repro.harness import environment
 
 DEVICE_MARKERS = ("cpu", "gpu")
 
@@ -37,6 +40,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    if problems := environment.problems():
+        raise pytest.UsageError("\n".join(problems))
     # ``-n auto`` starts one worker per core, and torch's intra-op pool defaults to every core:
     # each worker's in-process ops would then spin as many threads as the machine has, all
     # workers at once, next to the children and ranks the other workers run. Children keep

@@ -54,6 +54,37 @@ def test_cheap_answers_import_no_repro_module(argv, rc):
     assert (r["rc"], r["heavy"]) == (rc, [])
 
 
+# Each bad input is answered before any child starts, naming what is allowed.
+_NOT_ON_OFF = "is not an on/off value: on is 1, true, yes or on; off is 0, false, no or off"
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["-j", "abc"], {}, "argument -j/--jobs: 'abc' is not a whole number (N >= 1)"),
+    (["-j", "0"], {}, "argument -j/--jobs: must be >= 1, got 0"),
+    (["--only", "mesh-recompute", "--json", ""], {}, "error: --json '': an empty path"),
+    (["--only", "mesh-recompute"], {"STACKFIX_FORKSERVER": "maybe"},
+     f"error: STACKFIX_FORKSERVER='maybe' {_NOT_ON_OFF}"),
+    (["--only", "mesh-recompute"], {"STACKFIX_SANITIZE": "bogus"},
+     "error: STACKFIX_SANITIZE='bogus': unknown sanitizer(s) ['bogus']; allowed: a "
+     "comma-separated list of storage, mesh, recompute, or on (storage,mesh) / off: on is 1"),
+    (["--only", "mtp-shape-megatron-dev"], {"STACKFIX_MEGATRON_LM": "/tmp"},
+     "error: STACKFIX_MEGATRON_LM=/tmp: no megatron/core/transformer/multi_token_prediction.py "
+     "there; it must name a Megatron-LM checkout (pinned: Megatron-LM dev at d48bd6be"),
+])
+def test_bad_input_is_an_error_at_once_naming_what_is_allowed(argv, env, says):
+    r = _cli(*argv, **env)
+    assert (r["rc"], r["heavy"]) == (2, []), r
+    assert says in r["err"], r["err"]
+
+
+def test_list_shows_only_the_repros_named():
+    r = _cli("--list", "--only", "mtp-shape", "--only", "mesh-recompute")
+    assert r["rc"] == 0 and [line.split()[0] for line in r["out"].splitlines()] == [
+        "mtp-shape", "mesh-recompute"]
+    unknown = _cli("--list", "--only", "nosuch")
+    assert unknown["rc"] == 2 and "unknown repro 'nosuch'" in unknown["err"]
+
+
 def test_list_names_every_repro_from_the_catalog():
     r = _cli("--list")
     listed = [line.split()[0] for line in r["out"].splitlines()]

@@ -108,10 +108,18 @@ def test_a_forked_server_imports_under_the_environment_it_was_asked_in(own_serve
     assert r.ok and r.stdout == f"{tmp_path / 'now'}\n", r
 
 
-def test_off_switch_spawns(monkeypatch):
-    monkeypatch.setenv(forkserver.ENV, "0")
+@pytest.mark.parametrize("off", ["0", "false", "OFF", "no"])
+def test_off_switch_spawns(monkeypatch, off):
+    monkeypatch.setenv(forkserver.ENV, off)
     r = run_isolated(code="import sys; print('torch' in sys.modules)", forkserver=True)
     assert r.stdout == "False\n"
+
+
+def test_a_switch_value_that_is_not_on_or_off_is_refused_naming_the_spellings(monkeypatch):
+    monkeypatch.setenv(forkserver.ENV, "maybe")
+    with pytest.raises(ValueError, match=r"^STACKFIX_FORKSERVER='maybe' is not an on/off value: "
+                                         r"on is 1, true, yes or on; off is 0, false, no or off"):
+        run_isolated(code="pass", forkserver=True)
 
 
 def test_segfault_is_the_same_signal():

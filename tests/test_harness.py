@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from repro.registry import EXCEPTION_MARKER, SKIP_EXIT_CODE, SKIP_MARKER
 from repro.runner import PathOutcome, ReproOutcome, judge_fixed, judge_unfixed
 
 pytestmark = pytest.mark.cpu
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_segfault_is_contained_and_reported_as_signal():
@@ -246,3 +248,35 @@ def test_cli_sanitize_runs_children_under_the_sanitizers(tmp_path):
     detail = row["unfixed"]["detail"]
     assert detail.startswith("ReleasedStorageError: aten.mul.Tensor at repro/shared_view_reclaim.py:")
     assert "would access freed memory" in detail
+
+
+@pytest.mark.parametrize("value, names", [
+    ("", ()), ("0", ()), ("off", ()), ("No", ()), ("false", ()),
+    ("1", ("storage", "mesh")), ("true", ("storage", "mesh")), ("ON", ("storage", "mesh")),
+    ("storage,recompute", ("storage", "recompute")),
+])
+def test_the_sanitize_switch_takes_on_off_or_a_list(monkeypatch, value, names):
+    from repro.harness.sanitize import ENV, requested
+
+    monkeypatch.setenv(ENV, value)
+    assert requested() == names
+
+
+def test_a_sanitize_value_that_names_no_sanitizer_is_refused_naming_what_is_allowed(monkeypatch):
+    from repro.harness.sanitize import ENV, requested
+
+    monkeypatch.setenv(ENV, "storage,bogus")
+    with pytest.raises(ValueError) as error:
+        requested()
+    assert str(error.value) == (
+        "STACKFIX_SANITIZE='storage,bogus': unknown sanitizer(s) ['bogus']; allowed: a "
+        "comma-separated list of storage, mesh, recompute, or on (storage,mesh) / off: on is 1, "
+        "true, yes or on; off is 0, false, no or off (any case)")
+
+
+def test_the_suite_stops_at_once_on_a_bad_harness_variable():
+    r = run_isolated(module="pytest", args=["--collect-only", "-q", "-p", "no:cacheprovider",
+                                            "-p", "no:xdist", "tests/test_switch.py"],
+                     env={"STACKFIX_SANITIZE": "bogus"}, cwd=str(ROOT), timeout=120)
+    assert r.returncode == 4, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "ERROR: STACKFIX_SANITIZE='bogus': unknown sanitizer(s) ['bogus']" in r.stderr

@@ -102,7 +102,7 @@ def test_dev_local_spec_cannot_backprop_mhc_mtp_without_the_workaround(device):
         from repro.shared_view_reclaim import setup_megatron
         setup_megatron({device!r})
         if {device!r} == "cpu":
-            from repro.harness.megatron_cpu import install_megatron_cpu_shims
+            from fixes.testing.megatron_cpu import install_megatron_cpu_shims
             install_megatron_cpu_shims(force=True)
         from repro.mtp_shape_megatron_dev import DevMTPConfig, build_dev_gpt, make_batch, train_step
         cfg = DevMTPConfig()

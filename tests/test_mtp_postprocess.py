@@ -3,7 +3,7 @@ when given and accepted, and is a bit-identical no-op on megatron-core releases 
 
 Torch-only tests use the repro's mHC model (repro/mtp_shape.py). The megatron tests build a tiny
 GPT + MTP with the local spec (2 layers, hidden 64, seq 16, world size 1): on CPU with
-megatron-core 0.16.1 through repro/harness/megatron_cpu.py, on the H200 with 0.19.2."""
+megatron-core 0.16.1 through fixes/testing/megatron_cpu.py, on the H200 with 0.19.2."""
 
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def megatron_world(request, tmp_path_factory):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from repro.harness.megatron_cpu import install_megatron_cpu_shims
+    from fixes.testing.megatron_cpu import install_megatron_cpu_shims
 
     if device == "cpu" and torch.cuda.is_available():
         # megatron's CPU shims are process-wide and only installed where CUDA is absent; on a

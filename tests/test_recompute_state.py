@@ -107,7 +107,7 @@ def test_megatron_checkpoint_with_state_preserving():
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+    from fixes.testing.megatron_cpu import install_megatron_cpu_rng_shim
 
     install_megatron_cpu_rng_shim()
     holder, seen = types.SimpleNamespace(value=3.0), []

@@ -83,10 +83,11 @@ def _plugin_args() -> list[str]:
     return [] if installed else ["-p", PLUGIN]
 
 
-def _run(pytester, *args) -> pytest.RunResult:
-    """An inner ``python -m pytest`` in pytester's directory, as ``runpytest_subprocess`` runs
-    it (that directory first on PYTHONPATH, its own basetemp), forked from the fork server."""
-    pytester.makepyfile(test_inner=INNER_TESTS)
+def _run(pytester, *args, tests: str = INNER_TESTS) -> pytest.RunResult:
+    """An inner ``python -m pytest`` of ``tests`` (as ``test_inner.py``) in pytester's
+    directory, as ``runpytest_subprocess`` runs it (that directory first on PYTHONPATH, its own
+    basetemp), forked from the fork server."""
+    pytester.makepyfile(test_inner=tests)
     pythonpath = os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")]))
     basetemp = tempfile.mkdtemp(prefix="runpytest-", dir=pytester.path)
     r = run_isolated(module="pytest", args=[f"--basetemp={basetemp}", *_plugin_args(),
@@ -98,9 +99,9 @@ def _run(pytester, *args) -> pytest.RunResult:
 
 def test_entry_point_is_declared_in_pyproject():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    # stackfix-testing: repro.testing's fixtures (megatron_cpu, megatron_recompute_reclaim).
-    assert meta["project"]["entry-points"]["pytest11"] == {"stackfix": PLUGIN,
-                                                           "stackfix-testing": "repro.testing"}
+    # stackfix-testing: the users' fixtures (megatron_cpu, megatron_recompute_reclaim).
+    assert meta["project"]["entry-points"]["pytest11"] == {
+        "stackfix": PLUGIN, "stackfix-testing": "fixes.testing.pytest_plugin"}
     module = pytest.importorskip(PLUGIN)
     assert callable(module.pytest_addoption) and callable(module.pytest_runtest_protocol)
 
@@ -182,3 +183,56 @@ def test_without_the_flag_a_session_imports_no_torch(tmp_path):
                                             "-p", "no:xdist", "-q", str(tmp_path)],
                      cwd=str(tmp_path), env={"PYTHONPATH": str(ROOT)}, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+# A user's own test: the sanitizer entered in the test, the freed chunk passed to a model whose
+# forward(self, x) receives it. Once the error has left the ``with`` block, pytest prints the
+# traceback: each frame's arguments (long tracebacks) or locals (-l) -- the released tensor.
+USER_TESTS = """
+import pytest
+import torch
+from fixes.sanitize import storage_sanitizer
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.no_stackfix_sanitize
+def test_model_reads_a_released_chunk():
+    model = Model()
+    a, b = torch.randn(4, 16).chunk(2, -1)
+    with storage_sanitizer():
+        a.untyped_storage().resize_(0)
+        model(b)
+
+
+def test_the_session_goes_on():
+    pass
+"""
+
+
+@pytest.mark.parametrize("flag", [[], ["--stackfix-sanitize"]], ids=["no-flag", "flag"])
+@pytest.mark.parametrize("style", [[], ["--tb=long"], ["-l"], ["--showlocals", "--tb=long"],
+                                   ["--tb=short"], ["--tb=native"]],
+                         ids=["default", "long", "l", "showlocals", "short", "native"])
+def test_a_released_storage_error_is_a_failure_under_every_traceback_style(pytester, monkeypatch,
+                                                                           flag, style):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = _run(pytester, *flag, *style, tests=USER_TESTS)
+    out = result.stdout.str()
+    assert result.ret == 1, (result.ret, out[-3000:], result.stderr.str()[-3000:])
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "FAILED test_inner.py::test_model_reads_a_released_chunk - ReleasedStorageError: "
+        "aten.addmm.default at test_inner.py:*, released at test_inner.py:*",
+        "*= 1 failed, 1 passed*",
+    ])
+    assert "Segmentation fault" not in result.stderr.str()
+    if "-l" in style or "--showlocals" in style:  # what the freed chunk's repr now says
+        result.stdout.fnmatch_lines(["b * = tensor(<released storage>, size=(4, 8), *"])

@@ -359,7 +359,7 @@ def test_megatron_checkpoint_function_regions_are_compared():
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+    from fixes.testing.megatron_cpu import install_megatron_cpu_rng_shim
 
     install_megatron_cpu_rng_shim()
     model = _model()[:4]
@@ -376,7 +376,7 @@ def test_megatron_checkpoint_without_output_regions_are_compared():
     pytest.importorskip("megatron.core")
     from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
-    from repro.harness.megatron_cpu import install_megatron_cpu_rng_shim
+    from fixes.testing.megatron_cpu import install_megatron_cpu_rng_shim
 
     install_megatron_cpu_rng_shim()
     state = {"scale": 1.0}

@@ -182,6 +182,49 @@ def test_released_storage_is_named_before_the_kernel_runs(device):
     assert f"released at {first['site'][0]}" in head, head
 
 
+# A plain script (no pytest) that prints the error's traceback with its frames' locals once the
+# ``with`` block is left: the printer reprs the released chunk after the sanitizer exited.
+AFTER_EXIT = """
+import gc, traceback, torch
+from fixes.sanitize import ReleasedStorageError, storage_sanitizer
+
+TORCH_REPR = torch.Tensor.__repr__
+
+def forward(x):
+    return x.sum()
+
+def main():
+    a, b = torch.randn(4, 16).chunk(2, -1)
+    try:
+        with storage_sanitizer():
+            a.untyped_storage().resize_(0)
+            forward(b)
+    except ReleasedStorageError as error:
+        report = traceback.TracebackException.from_exception(error, capture_locals=True)
+        print("".join(report.format()))
+    print("AFTER", repr(b))
+    a.untyped_storage().resize_(256)  # grown back outside the sanitizer: readable memory again
+    print("REGROWN", repr(b.zero_()))
+
+main()
+gc.collect()  # the released storage is gone: the next repr puts torch's own back
+print("REPR", repr(torch.zeros(1)), "TORCH'S BACK", torch.Tensor.__repr__ is TORCH_REPR)
+"""
+
+
+@pytest.mark.cpu
+def test_a_released_tensor_reprs_safely_after_the_sanitizer_exited():
+    result = run_isolated(code=AFTER_EXIT, timeout=240, cwd=ROOT, forkserver=True)
+    out = result.stdout
+    assert result.ok, f"{result.describe()}\n{out[-3000:]}\n{result.stderr[-4000:]}"
+    assert "fixes.sanitize.ReleasedStorageError: aten.sum.default at <string>:8 in forward" in out
+    assert "    x = tensor(<released storage>, size=(4, 8), dtype=torch.float32, device='cpu')" \
+        in out, out
+    assert "AFTER tensor(<released storage>, size=(4, 8)" in out, out
+    assert "REGROWN tensor([[0., 0., 0., 0., 0., 0., 0., 0.]," in out, out
+    assert "REPR tensor([0.]) TORCH'S BACK True" in out, out
+
+
 @pytest.mark.gpu
 def test_backward_on_a_cuda_device_thread_is_checked():
     """Autograd runs a CUDA backward on its device thread; the mode of the thread that called
@@ -245,7 +288,8 @@ def test_fast_path_returns_once_released_storages_are_gone():
 @pytest.mark.cpu
 def test_restores_resize_and_the_mode_stack_also_on_error():
     before_stack = torch._C._len_torch_dispatch_stack()
-    tensor_methods = {n: torch.Tensor.__dict__.get(n) for n in ("__repr__", "tolist", "numpy")}
+    # (__repr__ stays wrapped while a released storage lives: test_a_released_tensor_reprs_...)
+    tensor_methods = {n: torch.Tensor.__dict__.get(n) for n in ("tolist", "numpy")}
     bootstrap = threading.Thread.__dict__["_bootstrap_inner"]
     assert "resize_" not in torch.UntypedStorage.__dict__
     with pytest.raises(ValueError, match="boom"), storage_sanitizer():

@@ -1,6 +1,7 @@
-"""repro.testing: the public helpers (and pytest fixtures) for running megatron-core's checkpoint
+"""fixes.testing: the public helpers (and pytest fixtures) for running megatron-core's checkpoint
 and fixes.megatron's reclaim in one's own CPU tests. Each scenario runs as a user's test file in
-an inner pytest (a child process), found through the installed ``stackfix-testing`` plugin."""
+an inner pytest (a child process), found through the installed ``stackfix-testing`` plugin, in
+a session that cannot import the harness (``repro``): what a training environment has."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu
 pytest_plugins = ("pytester",)
+PLUGIN = "fixes.testing.pytest_plugin"
 
 _USER_TESTS = '''
 import pytest
@@ -56,26 +58,68 @@ def test_originals_are_back_after_the_fixtures():
 '''
 
 
+def _plugin_args() -> list[str]:
+    """Where stackfix is installed the entry point loads the plugin; from a source tree on
+    PYTHONPATH only (a GPU runner's offline set-up), it is named."""
+    installed = any(ep.value == PLUGIN for ep in importlib.metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", PLUGIN]
+
+
 def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
     # Nothing heavy is imported here: pytester drops the modules a test imports afterwards, and
     # torch.distributed cannot be imported twice in one process.
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
     pytester.makepyfile(test_user=_USER_TESTS)
-    # Where stackfix is installed the entry point loads the fixtures; from a source tree on
-    # PYTHONPATH only (a GPU runner's offline set-up), the plugin is named.
-    installed = any(ep.value == "repro.testing"
-                    for ep in importlib.metadata.entry_points(group="pytest11"))
-    plugin = [] if installed else ["-p", "repro.testing"]
-    result = pytester.runpytest_subprocess(*plugin, "-p", "no:cacheprovider", "-q", "-rs")
+    # The harness is not installed with the fixes: nothing the helpers run may import it.
+    pytester.makeconftest("import sys\n\nsys.modules['repro'] = None  # import repro: ImportError\n")
+    result = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", "-q", "-rs")
     outcomes = result.parseoutcomes()
     # With CUDA present the no-helper case skips (nothing to shim); every other test passes.
     assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4, outcomes
     assert outcomes.get("passed", 0) >= 3 and not {"failed", "errors"} & set(outcomes), outcomes
 
 
-def test_importing_repro_testing_imports_no_torch():
-    code = "import sys, repro.testing; print([m for m in ('torch', 'megatron') if m in sys.modules])"
+def test_loading_the_plugin_imports_no_torch():
+    code = (f"import sys, {PLUGIN}, fixes.testing; "
+            "print([m for m in ('torch', 'megatron', 'repro') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip() == "[]"
+
+
+# A user's test marked as the README's examples are.
+_MARKED = """
+import pytest
+
+
+@pytest.mark.cpu
+def test_on_cpu():
+    pass
+
+
+@pytest.mark.gpu
+def test_on_gpu():
+    pass
+"""
+_STRICT = ("-p", "no:cacheprovider", "-q", "--strict-markers",
+           "-W", "error::pytest.PytestUnknownMarkWarning")
+
+
+def test_the_cpu_and_gpu_markers_are_registered_for_users(pytester):
+    pytester.makepyfile(test_user=_MARKED)
+    result = pytester.runpytest_subprocess(*_plugin_args(), *_STRICT)
+    result.assert_outcomes(passed=2)
+    markers = pytester.runpytest_subprocess(*_plugin_args(), "--markers").stdout.str()
+    assert "@pytest.mark.cpu: runs on any machine (CPU only)" in markers
+    assert "@pytest.mark.gpu: needs CUDA" in markers
+
+
+def test_a_projects_own_declaration_of_the_markers_is_kept(pytester):
+    pytester.makeini("[pytest]\nmarkers =\n    cpu: our own meaning of cpu\n")
+    pytester.makepyfile(test_user=_MARKED)
+    result = pytester.runpytest_subprocess(*_plugin_args(), *_STRICT)
+    result.assert_outcomes(passed=2)
+    markers = pytester.runpytest_subprocess(*_plugin_args(), "--markers").stdout.str()
+    assert "@pytest.mark.cpu: our own meaning of cpu" in markers
+    assert markers.count("@pytest.mark.cpu:") == 1 and "@pytest.mark.gpu: needs CUDA" in markers

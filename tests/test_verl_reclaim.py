@@ -104,7 +104,7 @@ def real_mtp_block_scenario(device: str) -> None:
 
     setup_megatron(device)
     if device == "cpu":
-        from repro.harness.megatron_cpu import install_megatron_cpu_memory_buffer_shim
+        from fixes.testing.megatron_cpu import install_megatron_cpu_memory_buffer_shim
 
         install_megatron_cpu_memory_buffer_shim(force=True)
     cfg = TransformerConfig(

@@ -5,6 +5,7 @@ real releases are checked where ``python -m repro.verl_release install`` put the
 
 from __future__ import annotations
 
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from repro.verl_release import (
     ENV_ROOT,
     RELEASES,
     VerlUnavailable,
+    main,
     missing_release,
     release_dir,
 )
@@ -151,3 +153,24 @@ def test_released_function_names_what_it_cannot_do(function_root, monkeypatch):
         released_function("9.9.9", "verl.x.other", "f", {})
     with pytest.raises(VerlUnavailable):
         released_function("0.0.1", "verl.x.mod", "boom", {})
+
+
+def test_install_refuses_a_release_it_does_not_compare_naming_those_it_does(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["install", "--root", str(tmp_path), "0.7.9"])
+    assert exit_.value.code == 2
+    assert "error: verl 0.7.9 is not one of the releases the repros compare: 0.8.0, 0.9.1" in (
+        capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_a_failed_pip_install_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    def failing_pip(cmd):
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(subprocess, "run", failing_pip)
+    assert main(["install", "--root", str(tmp_path), "0.9.1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"error: pip could not install verl==0.9.1 into {tmp_path / '0.9.1'} (exit status 1; "
+        f"its output above)")

@@ -139,6 +139,15 @@ class StorageSanitizer:
             self.releases.append(release)
             self._live[key] = entry
 
+    def exited(self) -> None:
+        """The context has exited: no op is checked from now on. A regrown storage is no longer
+        tracked (its memory is safe to read, and what writes it from now on is not seen); a
+        shrunk one is while it lives, for ``repr`` (fixes.sanitize._safe_repr)."""
+        self.active = False
+        with self._lock:
+            for key in [key for key, entry in self._live.items() if entry.regrown]:
+                del self._live[key]
+
     def regrown(self, storage: torch.UntypedStorage) -> None:
         """Grown back to its size before the release: memory-safe, but uninitialised."""
         entry = self._live.get(storage._cdata)

@@ -15,7 +15,9 @@ included), and on autograd's device threads for the backward passes those thread
 (PyTorch propagates the dispatch modes there). Until a shrink is recorded (and again once every
 released storage is gone) the mode only forwards each op: the fast path. The reads that bypass
 the dispatcher are guarded the same way (``tolist``, ``numpy``); ``repr`` of a released tensor
-says ``<released storage>`` instead of reading it (traceback printers call it).
+says ``<released storage>`` instead of reading it, also after the sanitizer has exited while
+the storage lives (traceback printers call it on the error's frames once the ``with`` block is
+left: fixes.sanitize._safe_repr).
 
 Triton kernel launches from Python (``JITFunction.run``) have their tensor arguments checked
 too, where triton was imported before the sanitizer was entered.
@@ -37,6 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from fixes.sanitize import _safe_repr
 from fixes.sanitize._callsite import ActiveSlot, call_site
 from fixes.sanitize._released import (
     OVERWRITE_OPS,
@@ -165,9 +168,8 @@ def _note_resize(sanitizer: StorageSanitizer, storage, before: int, data_ptr: in
 
 
 # Tensor methods that read elements without going through the dispatcher (tolist and numpy
-# read the memory in C++): guarded while the sanitizer is active. A repr turns all modes off:
-# it says what it cannot show instead of raising (pytest prints the arguments of failing
-# frames, so a raising repr would bury the real error).
+# read the memory in C++): guarded while the sanitizer is active. (repr is not one of them: it
+# says what it cannot show instead of raising, fixes.sanitize._safe_repr.)
 _DIRECT_READS = ("tolist", "numpy")
 
 
@@ -181,17 +183,6 @@ def _guarded(sanitizer: StorageSanitizer, name: str, original):
 
     guarded.__name__ = guarded.__qualname__ = name
     return guarded
-
-
-def _guarded_repr(sanitizer: StorageSanitizer, original):
-    def __repr__(self, *args, **kwargs):
-        if sanitizer._live and sanitizer.active and checkable(self):
-            if sanitizer.error_for("Tensor.__repr__", 0, self) is not None:
-                return (f"tensor(<released storage>, size={tuple(self.shape)}, "
-                        f"dtype={self.dtype}, device='{self.device}')")
-        return original(self, *args, **kwargs)
-
-    return __repr__
 
 
 def _checked_triton_launches(sanitizer: StorageSanitizer, original):
@@ -262,7 +253,6 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
 
     patches = [
         (torch.UntypedStorage, "resize_", resize_),
-        (torch.Tensor, "__repr__", _guarded_repr(sanitizer, torch.Tensor.__repr__)),
         (threading.Thread, "_bootstrap_inner",
          _checked_threads(sanitizer, threading.Thread._bootstrap_inner, make_mode)),
     ] + [
@@ -271,13 +261,15 @@ def storage_sanitizer() -> Iterator[StorageSanitizer]:
     ] + _triton_patches(sanitizer)
     saved = []
     try:
+        _safe_repr.watch(sanitizer)
         for cls, name, patch in patches:
             saved.append((cls, name, patch, cls.__dict__.get(name, _MISSING)))
             setattr(cls, name, patch)
         with make_mode():
             yield sanitizer
     finally:
-        sanitizer.active = False
+        sanitizer.exited()
+        _safe_repr.forget_done()
         try:
             _restore(saved)
         finally:

@@ -4,7 +4,7 @@ stackfix's fixes.
 Loaded on ``import verl``: by verl >= 0.9 through the ``verl.plugins`` entry point this
 distribution registers (``VERL_USE_EXTERNAL_PLUGINS``: ``auto``, the default, loads it), by any
 verl through ``VERL_USE_EXTERNAL_MODULES=fixes.verl``. Ray workers import verl too, so each
-worker loads it. ``STACKFIX_VERL_PLUGIN=0`` turns it off.
+worker loads it. ``STACKFIX_VERL_PLUGIN=0`` (or false, no, off) turns it off.
 
 Per release (``fixes.verl.release.KNOWN``: 0.8.0, 0.9.1), each patch waits for the verl module
 it changes and patches it as it is imported (``fixes.verl.post_import``), so the order of later
@@ -18,9 +18,10 @@ calls does not matter:
 - vLLM refit, ``fixes.verl.vllm_refit``: left alone (why: its docstring).
 
 Loading logs one WARNING line on logger ``fixes.verl``, naming the verl version, what it patches
-and what it left alone (on a release it does not know: everything). It never raises: a bad
-``STACKFIX_VERL_PLUGIN`` is logged as an error naming the allowed values, and the plugin stays
-off. Without verl, importing this changes nothing. ``fixes.verl.status()`` says what it did.
+and what it left alone (on a release it does not know: everything), or that the switch has it
+off. It never raises: a ``STACKFIX_VERL_PLUGIN`` that is neither on nor off is logged as an
+error naming the allowed values, and the plugin stays on (its default). Without verl, importing
+this changes nothing and says nothing. ``fixes.verl.status()`` says what it did.
 """
 
 from fixes.verl.plugin import PluginState, load, status

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 from fixes.verl import mtp, reclaim, torchtitan_engine, vllm_refit
@@ -53,13 +54,14 @@ def load() -> PluginState:
         return _state
     try:
         enabled = plugin_enabled()
-    except ValueError as exc:
-        logger.error("stackfix verl plugin: not loaded: %s", exc)
-        _state = PluginState(off_because=str(exc))
-        return _state
+    except ValueError as exc:  # a typo must not drop the fixes of a whole training run
+        logger.error("stackfix verl plugin: %s: kept on (the default)", exc)
+        enabled = True
     if not enabled:
-        logger.info("stackfix verl plugin: off (%s=0)", ENV)
-        _state = PluginState(off_because=f"{ENV}=0")
+        off = f"{ENV}={os.environ[ENV]}"
+        logger.warning("stackfix verl plugin: off (%s): verl %s runs without stackfix's fixes",
+                       off, version)
+        _state = PluginState(off_because=off)
         return _state
     if version not in KNOWN:
         left = tuple((p.name, "unknown release") for p in PATCHES)

@@ -99,6 +99,8 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 
+from fixes.switch import env_switch
+from repro.harness.checkout import with_checkout
 from repro.harness.isolated_result import IsolatedResult
 
 ENV = "STACKFIX_FORKSERVER"
@@ -140,8 +142,10 @@ _READY_TIMEOUT = 300.0
 
 
 def enabled() -> bool:
-    """Whether ``run`` may be used here: Linux (fork, SCM_RIGHTS, /proc) and not turned off."""
-    return (os.environ.get(ENV, "1") != "0" and sys.platform.startswith("linux")
+    """Whether ``run`` may be used here: Linux (fork, SCM_RIGHTS, /proc) and not turned off
+    (``STACKFIX_FORKSERVER``: on unless an off value; ValueError naming the spellings for a
+    value that is neither)."""
+    return (env_switch(ENV, True) and sys.platform.startswith("linux")
             and hasattr(os, "fork") and hasattr(socket, "send_fds"))
 
 
@@ -164,7 +168,7 @@ class _Client:
         from ``base`` (a server whose preloads are a prefix of those); ``UnsafePreload`` when
         one of them leaves it unable to fork, OSError when it does not start."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ, **_SERVER_ENV)
+        env = with_checkout(dict(os.environ, **_SERVER_ENV))
         proc = None
         try:
             if base is None:

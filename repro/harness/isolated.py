@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from repro.harness import forkserver as forkserver_module
+from repro.harness.checkout import with_checkout
 from repro.harness.isolated_result import IsolatedResult
 
 __all__ = ["IsolatedResult", "free_loopback_port", "run_isolated", "run_loopback_ranks"]
@@ -49,6 +50,7 @@ def run_isolated(
     child_env.setdefault("PYTHONFAULTHANDLER", "1")
     if env:
         child_env.update(env)
+    child_env = with_checkout(child_env)
     if forkserver and forkserver_module.enabled():
         kind, target = ("code", code) if code is not None else ("module", module)
         forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout,
@@ -122,7 +124,7 @@ def run_loopback_ranks(
             GLOO_SOCKET_IFNAME="lo",
         )
         rank_env.update(env or {})
-        rank_envs.append(rank_env)
+        rank_envs.append(with_checkout(rank_env))
     if forkserver and forkserver_module.enabled():
         forked = _forked_ranks(argv, rank_envs, timeout, cwd, _profile(forkserver))
         if forked is not None:

@@ -82,6 +82,19 @@ def check_megatron_lm_checkout(path: Path) -> Path:
     return path
 
 
+def configured_checkout_error() -> str | None:
+    """Why the checkout ``STACKFIX_MEGATRON_LM`` names is not one (None when unset, or when it
+    is): its files are read, nothing is imported, so a caller checks before it starts a child."""
+    path = megatron_lm_checkout()
+    if path is None:
+        return None
+    try:
+        check_megatron_lm_checkout(path)
+    except MegatronLMCheckoutError as exc:
+        return str(exc)
+    return None
+
+
 def checkout_commit(path: Path) -> str:
     """``git rev-parse HEAD`` of the checkout, or a note when it is not a git work tree."""
     try:

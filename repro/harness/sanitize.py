@@ -1,7 +1,7 @@
 """The repro children's switch for ``fixes.sanitize``: ``STACKFIX_SANITIZE`` in the environment
 (``python -m repro --sanitize`` sets it to the sanitizers each repro declares) runs a repro, and
-every rank it launches, under those sanitizers: a comma-separated list of ``NAMES``; ``1`` is
-``storage,mesh``; empty or ``0`` none."""
+every rank it launches, under those sanitizers: a comma-separated list of ``NAMES``; an on value
+(``fixes.switch``: 1, true, yes, on) is ``storage,mesh``; empty or an off value none."""
 
 from __future__ import annotations
 
@@ -9,21 +9,27 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from fixes.switch import SPELLINGS, on_off
+
 ENV = "STACKFIX_SANITIZE"
 NAMES = ("storage", "mesh", "recompute")
 DEFAULT = ("storage", "mesh")
 
 
 def requested() -> tuple[str, ...]:
-    """The sanitizers ``STACKFIX_SANITIZE`` names (ValueError naming an unknown one)."""
-    value = os.environ.get(ENV, "").strip()
-    if value in ("", "0"):
+    """The sanitizers ``STACKFIX_SANITIZE`` names (ValueError naming what is allowed otherwise)."""
+    value = os.environ.get(ENV, "")
+    if not value.strip():
         return ()
-    if value == "1":
-        return DEFAULT
+    state = on_off(value)
+    if state is not None:
+        return DEFAULT if state else ()
     names = tuple(n.strip() for n in value.split(",") if n.strip())
-    if unknown := [n for n in names if n not in NAMES]:
-        raise ValueError(f"{ENV}={value!r}: unknown sanitizer(s) {unknown}; known: {NAMES}")
+    unknown = [n for n in names if n not in NAMES]
+    if unknown or not names:
+        raise ValueError(f"{ENV}={value!r}: unknown sanitizer(s) {unknown}; allowed: a "
+                         f"comma-separated list of {', '.join(NAMES)}, or on "
+                         f"({','.join(DEFAULT)}) / off: {SPELLINGS}")
     return names
 
 

@@ -1,28 +1,21 @@
-"""Helpers for your own CPU regression tests of the megatron fixes, and the pytest fixtures that
-wrap them (registered through the ``pytest11`` entry point ``stackfix-testing``: installing
-stackfix-harness makes them available in any pytest run).
+"""Helpers for your own CPU regression tests of the megatron fixes; the pytest fixtures that
+wrap them are in ``fixes.testing.pytest_plugin`` (registered through the ``pytest11`` entry
+point ``stackfix-testing``: installing stackfix-harness makes them available in any pytest run).
 
 megatron-core's ``tensor_parallel.checkpoint`` saves and restores the CUDA RNG state on every
 call, so on a CPU-only machine it raises "Torch not compiled with CUDA enabled" before the
 reclaim (or anything else under test) runs. ``megatron_on_cpu()`` installs the CPU shims of
-``repro.harness.megatron_cpu`` (CUDA RNG state get/set as no-ops with megatron's inference RNG
-tracker, ``GlobalMemoryBuffer`` on CPU, NVTX as no-ops; where CUDA exists, nothing) for a block
-and puts megatron's originals back after; checkpointing and recompute run as shipped::
+``fixes.testing.megatron_cpu`` (the one CUDA shim module: CUDA RNG state get/set as no-ops with
+megatron's inference RNG tracker, ``GlobalMemoryBuffer`` on CPU, NVTX as no-ops; where CUDA
+exists, nothing) for a block and puts megatron's originals back after; checkpointing and
+recompute run as shipped::
 
-    from fixes.megatron import apply_recompute_reclaim_patch, recompute_reclaim_events
-    from repro.testing import megatron_on_cpu, recompute_reclaim
+    from fixes.testing import megatron_on_cpu, recompute_reclaim
 
-    with megatron_on_cpu(), recompute_reclaim():          # or the pytest fixtures below
+    with megatron_on_cpu(), recompute_reclaim() as events:   # or the pytest fixtures
         ...
 
-Fixtures (each skips its test when megatron-core is not installed):
-
-- ``megatron_cpu``: ``megatron_on_cpu()`` around the test; yields ``megatron.core.tensor_parallel``.
-- ``megatron_recompute_reclaim``: also ``fixes.megatron.apply_recompute_reclaim_patch()`` for the
-  test (removed after when the fixture installed it) inside
-  ``fixes.megatron.recompute_reclaim_events()``; yields the list of ``ReclaimEvent`` s it records.
-
-This module imports neither torch nor megatron until a helper is used (pytest loads it at start).
+Importing this package imports neither torch nor megatron (nor pytest) until a helper is used.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import pytest
+__all__ = ["megatron_on_cpu", "recompute_reclaim"]
 
 
 @contextlib.contextmanager
@@ -39,7 +32,7 @@ def megatron_on_cpu() -> Iterator[None]:
     where CUDA is available). Raises ImportError when megatron-core is not installed."""
     import torch
 
-    from repro.harness import megatron_cpu
+    from fixes.testing import megatron_cpu
 
     if torch.cuda.is_available():
         yield
@@ -75,18 +68,3 @@ def recompute_reclaim() -> Iterator[list]:
     finally:
         if installed:
             remove_recompute_reclaim_patch()
-
-
-@pytest.fixture
-def megatron_cpu():
-    """megatron-core's checkpointing on CPU for this test; yields megatron.core.tensor_parallel."""
-    tensor_parallel = pytest.importorskip("megatron.core.tensor_parallel")
-    with megatron_on_cpu():
-        yield tensor_parallel
-
-
-@pytest.fixture
-def megatron_recompute_reclaim(megatron_cpu):
-    """fixes.megatron's recompute reclaim installed for this test; yields its ReclaimEvents."""
-    with recompute_reclaim() as events:
-        yield events

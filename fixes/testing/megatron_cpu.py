@@ -1,5 +1,7 @@
 """The one CUDA shim module of this project: where megatron-core (and verl's reclaim, which
-patches it) hard-code CUDA, on CPU.
+patches it) hard-code CUDA, on CPU. Installed with the fixes: users' own CPU tests get it
+through ``fixes.testing.megatron_on_cpu()``; the harness's repros, tests and benchmarks install
+the shims they need directly.
 
 1. CUDA RNG bookkeeping (``install_megatron_cpu_rng_shim``).
 

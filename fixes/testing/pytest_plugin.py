@@ -1,0 +1,49 @@
+"""pytest plugin for users' own regression tests (the ``pytest11`` entry point
+``stackfix-testing``; without installing, ``-p fixes.testing.pytest_plugin``).
+
+The markers ``cpu`` (runs on any machine) and ``gpu`` (needs CUDA) are registered, so tests
+marked as stackfix's own are accepted under ``--strict-markers``; a project that declares
+either marker itself keeps its own declaration. Nothing is skipped or selected by them here.
+
+Fixtures, each skipping its test when megatron-core is not installed:
+
+- ``megatron_cpu``: ``fixes.testing.megatron_on_cpu()`` around the test; yields
+  ``megatron.core.tensor_parallel``;
+- ``megatron_recompute_reclaim``: also ``fixes.testing.recompute_reclaim()`` (the reclaim of
+  ``fixes.megatron.apply_recompute_reclaim_patch()`` for the test, inside
+  ``fixes.megatron.recompute_reclaim_events()``); yields the ``ReclaimEvent`` s.
+
+Loading it imports neither torch nor megatron: pytest loads it in every session of an
+environment with stackfix installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fixes.testing import megatron_on_cpu, recompute_reclaim
+
+MARKERS = {"cpu": "runs on any machine (CPU only)", "gpu": "needs CUDA"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A `markers` line is "name: help" or "name(args): help".
+    declared = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+    for name, help_ in MARKERS.items():
+        if name not in declared:
+            config.addinivalue_line("markers", f"{name}: {help_}")
+
+
+@pytest.fixture
+def megatron_cpu():
+    """megatron-core's checkpointing on CPU for this test; yields megatron.core.tensor_parallel."""
+    tensor_parallel = pytest.importorskip("megatron.core.tensor_parallel")
+    with megatron_on_cpu():
+        yield tensor_parallel
+
+
+@pytest.fixture
+def megatron_recompute_reclaim(megatron_cpu):
+    """fixes.megatron's recompute reclaim installed for this test; yields its ReclaimEvents."""
+    with recompute_reclaim() as events:
+        yield events
