@@ -93,7 +93,7 @@ def grads(model: str, dtype: str, reclaim: bool, events: list | None = None
 
 def parity(model: str, dtype: str) -> str:
     """``bitwise (N grads, M inputs read through)``, or which gradients differ."""
-    from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim, install_megatron_cpu_shims
+    from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim, install_megatron_cpu_shims
     from repro.shared_view_reclaim import setup_megatron
 
     setup_megatron("cpu")

@@ -11,7 +11,7 @@ readers saw: the values must equal the step's without the reclaim, or the reader
 with a Python error -- never NaN, zero or stale data.
 
 ``target``: ``"torch"`` (PyTorch's reentrant checkpoint) or ``"megatron"`` (megatron-core's
-``tensor_parallel.checkpoint``, on CPU through ``repro.testing.megatron_on_cpu``).
+``tensor_parallel.checkpoint``, on CPU through ``fixes.testing.megatron_on_cpu``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _target(target: str, reclaim: bool):
 
     on_cpu = contextlib.nullcontext()
     if target == "megatron":
-        from repro.testing import megatron_on_cpu
+        from fixes.testing import megatron_on_cpu
 
         on_cpu = megatron_on_cpu()
     with on_cpu:
