@@ -353,6 +353,11 @@ def _checkpoint_inputs_probe():
 
 
 def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: str) -> dict:
+    # Runs are compared bit for bit across processes: deterministic kernels where torch has
+    # them (the MoE dispatcher's scatter-adds would otherwise differ run to run); an op without
+    # one warns, and the warning names it in the run's log.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
     got, engine = init_scenario(kind, "cuda", size, root)
     if reclaim == "none":
         from megatron.core.tensor_parallel.random import CheckpointFunction
