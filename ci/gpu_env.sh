@@ -15,6 +15,13 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# A package packed as a tarball of its installed files (ci/gpu_verl_engine.sh: ray without its
+# cluster daemons, to fit one call) goes into the same target.
+for tarball in "$WHEELS"/*.tar.xz; do
+  [ -e "$tarball" ] || continue
+  mkdir -p "$SITE" && tar -xJf "$tarball" -C "$SITE" || return 1
+  case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE:$PYTHONPATH" ;; esac
+done
 if compgen -G "$WHEELS/verl/verl-*.whl" >/dev/null; then
   export STACKFIX_VERL_ROOT=${STACKFIX_VERL_ROOT:-/tmp/stackfix-verl}
   for whl in "$WHEELS"/verl/verl-*.whl; do

@@ -8,8 +8,14 @@
 #   side by side, then the gpu benchmarks,
 # and their logs / JSON land in $EVIDENCE (default ./gpu-evidence).
 # Usage: bash ci/gpu_offline.sh [pytest args...]
+#        bash ci/gpu_offline.sh verl-engine [pytest args...]  (verl's own Megatron engine, three
+#        runs per model: ci/gpu_verl_engine.sh, which says how its wheels are prepared)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+if [ "${1:-}" = verl-engine ]; then
+  shift
+  exec bash ci/gpu_verl_engine.sh run "$@"
+fi
 EVIDENCE=${EVIDENCE:-gpu-evidence}
 GPU_WORKERS=${GPU_WORKERS:-4}
 mkdir -p "$EVIDENCE"

@@ -1,0 +1,397 @@
+"""verl's own Megatron engine (``MegatronEngineWithLMHead``, verl 0.8.0 / 0.9.1), built through
+verl's public config classes from a tiny Hugging Face model directory written here (config,
+a word-level tokenizer and random weights; nothing downloaded), with full recompute on as verl
+users configure it (``override_transformer_config``: ``recompute_granularity="full"``,
+``recompute_method="uniform"``). Run as ``python -m repro.verl_engine SCENARIO --kind K`` in a
+child process (tests/test_verl_engine.py); each scenario prints one ``RESULT {json}`` line.
+Whether the verl plugin loads is decided by the child's environment before ``import verl``, as
+a user decides it (repro/verl_plugin.py).
+
+Kinds: ``dense`` (``Qwen2ForCausalLM``) and ``moe`` (``Qwen3MoeForCausalLM``). The bridge is
+verl's ``vanilla_mbridge=True`` (mbridge), on megatron-core's local spec through
+repro/harness/mbridge_local_spec.py (no Transformer Engine on either machine). The settings
+below that a plain verl config would not carry say why in place.
+
+Scenarios:
+
+* ``init`` (any device): the engine's ``__init__`` (model-parallel init, seeds, verl's reclaim
+  when CUDA is available), what ``installed_reclaim()`` says then, then ``initialize()`` (the
+  bridge's config, the model, weights, optimizer). On a CPU-only machine ``initialize()``
+  stops at the first CUDA call it makes; the scenario reports that frame.
+* ``train`` (CUDA): ``init``, then ``--steps`` training steps through the engine's own
+  ``train_batch`` (zero grad, megatron's forward/backward schedule, optimizer step) on one
+  fixed batch: per step the loss, grad norm, a digest of every parameter's main grad and of the
+  parameters after the step, memory and time. ``--reclaim none`` puts megatron-core's own
+  backward back after the engine's init (the no-reclaim reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+KINDS = ("dense", "moe")
+SCENARIOS = ("init", "train")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int  # dense intermediate size; the MoE expert size is ffn // 4
+    experts: int
+    vocab: int
+    seq_len: int
+    batch: int
+
+
+SIZES = {
+    # CI: a few layers, small enough for a 2-core machine
+    "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, experts=4, vocab=128,
+                      seq_len=16, batch=4),
+    # the H200 run: the size of benchmarks.megatron_scale's MoE cell (H=1024, S=2048, 4 layers)
+    "bench": ModelSize(hidden=1024, layers=4, heads=16, kv_heads=8, ffn=4096, experts=8,
+                       vocab=1024, seq_len=2048, batch=2),
+}
+
+
+def _report(**fields) -> None:
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+# --- the model directory ------------------------------------------------------------------------
+
+
+def hf_config(kind: str, size: ModelSize) -> dict:
+    """config.json of the tiny model: Qwen2 (dense) or Qwen3-MoE, untied embeddings."""
+    common = dict(vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers,
+                  num_attention_heads=size.heads, num_key_value_heads=size.kv_heads,
+                  intermediate_size=size.ffn, max_position_embeddings=max(256, size.seq_len),
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "dense":
+        return dict(common, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    if kind == "moe":
+        return dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                    head_dim=size.hidden // size.heads, num_experts=size.experts,
+                    num_experts_per_tok=2, moe_intermediate_size=size.ffn // 4,
+                    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                    output_router_logits=False, router_aux_loss_coef=0.001)
+    raise ValueError(f"unknown kind {kind!r}; allowed: {KINDS}")
+
+
+def write_tiny_model(root: Path, kind: str, size: ModelSize, seed: int = 0) -> Path:
+    """``root/kind``: config.json, a word-level tokenizer (``<pad> <s> </s> <unk> t0 t1 ...``)
+    and random bf16 weights from the Hugging Face model class (safetensors)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = root / kind
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"t{i}" for i in range(size.vocab - 4)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>", unk_token="<unk>").save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(hf_config(kind, size), indent=1))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                             dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+# --- verl's configs -----------------------------------------------------------------------------
+
+
+def transformer_overrides(kind: str, device: str) -> dict:
+    """``override_transformer_config`` of the engine: full recompute as a verl user sets it,
+    plus what megatron-core's local spec needs where mbridge's bridges assume TE."""
+    over = {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+            # the local spec's attention (repro/harness/mbridge_local_spec.py); verl's default
+            # "flash" names TE's
+            "attention_backend": "local"}
+    if kind == "moe":
+        # mbridge's Qwen3-MoE bridge sets both for TE: grouped GEMM (TE's, or the grouped_gemm
+        # package's) and persist_layer_norm (Apex/TE; megatron's torch norm asserts it is off)
+        over.update(moe_grouped_gemm=False, persist_layer_norm=False)
+    if device == "cpu":
+        # megatron's layers allocate on torch.cuda.current_device() unless told otherwise
+        over["use_cpu_initialization"] = True
+    return over
+
+
+def engine_configs(path: Path, kind: str, device: str, size: ModelSize):
+    """(HFModelConfig, McoreEngineConfig, McoreOptimizerConfig, CheckpointConfig)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+
+    model = HFModelConfig(path=str(path))
+    engine = McoreEngineConfig(
+        vanilla_mbridge=True,  # mbridge: Megatron-Bridge requires Transformer Engine
+        dtype="bfloat16",  # McoreEngineConfig takes bfloat16 or float16 only
+        # bshd: verl's thd (packed) path needs TE's attention (megatron's local
+        # DotProductAttention asserts packed_seq_params is None)
+        use_remove_padding=False,
+        use_dynamic_bsz=False, micro_batch_size_per_gpu=size.batch,
+        override_transformer_config=transformer_overrides(kind, device),
+    )
+    optimizer = McoreOptimizerConfig(lr=1e-4)
+    return model, engine, optimizer, CheckpointConfig()
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+def init_process_group(device: str) -> None:
+    """World size 1, as one verl worker of one GPU: gloo on CPU, NCCL on CUDA."""
+    from repro.harness.isolated import free_loopback_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=0,
+                                         world_size=1)
+
+
+def plugin_state() -> dict | None:
+    plugin = sys.modules.get("fixes.verl")
+    state = plugin.status() if plugin is not None else None
+    return None if state is None else {"version": state.version, "armed": list(state.armed)}
+
+
+def installed_reclaim() -> str | None:
+    from fixes.megatron.reclaim import installed_reclaim as installed
+
+    return installed()
+
+
+def _where(filename: str) -> str:
+    """``filename`` from its top-level package on (below site-packages, or this repository)."""
+    parts = Path(filename).parts
+    for anchor in ("site-packages", Path(__file__).resolve().parent.parent.name):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(anchor):])
+    return filename
+
+
+def engine_reclaim_function() -> str:
+    """Where the function verl's engine calls (``verl.models.mcore.patch.apply_patch_megatron_
+    recomputation_backward``) is defined: the plugin's replacement or verl's own."""
+    from verl.models.mcore import patch
+
+    return _where(patch.apply_patch_megatron_recomputation_backward.__code__.co_filename)
+
+
+def build_engine(path: Path, kind: str, device: str, size: ModelSize):
+    """``MegatronEngineWithLMHead(...)``: its ``__init__`` only, as verl's TrainingWorker builds
+    it (``initialize()`` is a separate step there too)."""
+    from verl.workers.engine.megatron import MegatronEngineWithLMHead
+
+    from repro.harness.mbridge_local_spec import use_local_spec_in_mbridge
+
+    use_local_spec_in_mbridge()
+    return MegatronEngineWithLMHead(*engine_configs(path, kind, device, size))
+
+
+def _frame_outside_torch(exc: BaseException) -> dict:
+    """The innermost traceback frame not in torch itself (the code that asked for CUDA), and the
+    innermost frame of verl's own code on the way there."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename]
+    verl_frames = [f for f in frames if _where(f.filename).startswith("verl/")]
+    frame, via = frames[-1], verl_frames[-1] if verl_frames else None
+    return {"error": f"{type(exc).__name__}: {exc}", "file": _where(frame.filename),
+            "line": frame.lineno, "function": frame.name,
+            "verl_frame": None if via is None else f"{_where(via.filename)}:{via.lineno}"}
+
+
+def _recompute_config(engine) -> dict:
+    tf = engine.tf_config
+    return {"recompute_granularity": tf.recompute_granularity,
+            "recompute_method": tf.recompute_method, "num_moe_experts": tf.num_moe_experts,
+            "num_layers": tf.num_layers}
+
+
+class _NoCuda:
+    """Catches, on a machine without CUDA only, the error torch raises where code asks for it
+    ("Torch not compiled with CUDA enabled": AssertionError; "torch.cuda.Stream requires CUDA
+    support": RuntimeError) and keeps the frame that asked. Elsewhere it catches nothing."""
+
+    def __init__(self):
+        self.stop: dict | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or torch.cuda.is_available():
+            return False
+        if not isinstance(exc, (AssertionError, RuntimeError)):
+            return False
+        self.stop = _frame_outside_torch(exc)
+        return True
+
+
+def init_scenario(kind: str, device: str, size: ModelSize, root: Path):
+    """(what the init showed, the engine or None where its ``__init__`` stopped)."""
+    import verl
+
+    path = write_tiny_model(root, kind, size)
+    init_process_group(device)
+    got = {"verl": verl.__version__, "plugin": plugin_state(), "cuda": torch.cuda.is_available(),
+           "engine_calls": engine_reclaim_function()}
+    engine = None
+    with _NoCuda() as at_init:
+        engine = build_engine(path, kind, device, size)
+    got["init_stop"] = at_init.stop
+    got["installed_after_init"] = installed_reclaim()
+    got["initialize_stop"] = got["recompute"] = None
+    if engine is not None:
+        with _NoCuda() as at_initialize:
+            engine.initialize()
+        got["initialize_stop"] = at_initialize.stop
+        got["recompute"] = _recompute_config(engine)  # the bridge's TransformerConfig
+    got["installed_after_initialize"] = installed_reclaim()
+    return got, engine
+
+
+# --- a training step ----------------------------------------------------------------------------
+
+
+def fixed_batch(size: ModelSize, seed: int = 1):
+    """verl's no-padding TensorDict, made as verl's own engine test makes it
+    (tests/models/test_engine.py: DataProto -> to_tensordict -> left_right_2_no_padding):
+    right half the response, rows of different lengths (one left-padded, one right-padded)."""
+    from verl import DataProto
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    generator = torch.Generator().manual_seed(seed)
+    b, s = size.batch, size.seq_len
+    input_ids = torch.randint(4, size.vocab, (b, s), generator=generator)
+    attention_mask = torch.ones(b, s, dtype=torch.long)
+    attention_mask[0, : s // 8] = 0
+    attention_mask[-1, s - s // 16:] = 0
+    data = DataProto.from_single_dict(
+        {"input_ids": input_ids, "attention_mask": attention_mask,
+         "position_ids": compute_position_id_with_mask(attention_mask),
+         "responses": input_ids[:, s // 2:], "response_mask": attention_mask[:, s // 2:]},
+        # what TrainingWorker.train_batch assigns before calling the engine
+        meta_info={"temperature": 1.0, "use_remove_padding": False, "use_dynamic_bsz": False,
+                   "micro_batch_size_per_gpu": b, "use_fused_kernels": False},
+    )
+    return left_right_2_no_padding(data.to_tensordict())
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def train_step(engine, data) -> dict:
+    """One ``engine.train_batch`` inside ``engine.train_mode()`` (as TrainingWorker does),
+    measured: loss, grad norm, digests of the main grads and the updated parameters, bytes
+    allocated before / after / at peak, seconds."""
+    from functools import partial
+
+    from verl.workers.utils.losses import sft_loss
+
+    params = [p for chunk in engine.module for p in chunk.parameters()]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with engine.train_mode():
+        out = engine.train_batch(data.clone(), loss_function=partial(sft_loss, config=None))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    grads = [getattr(p, "main_grad", None) for p in params]
+    return {"loss": [float(x) for x in out["loss"]], "grad_norm": float(out["metrics"]["grad_norm"]),
+            "grads": _digest(g for g in grads if g is not None),
+            "params": _digest(params), "before_bytes": before,
+            "after_bytes": torch.cuda.memory_allocated(),
+            "peak_bytes": torch.cuda.max_memory_allocated(), "seconds": seconds}
+
+
+def _checkpoint_inputs_probe():
+    """Counts, per checkpointed call, the requires-grad inputs that are views into a larger
+    storage (the crash-2 shape: a chunk view of a tensor something else keeps). Wraps
+    megatron-core's ``CheckpointFunction.forward`` only to read its inputs."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    seen = {"calls": 0, "grad_inputs": 0, "views": 0}
+    forward = CheckpointFunction.forward
+
+    def counting_forward(ctx, run_function, distribute_saved_activations, *args):
+        seen["calls"] += 1
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                seen["grad_inputs"] += 1
+                whole = a.untyped_storage().nbytes()
+                seen["views"] += int(whole != a.numel() * a.element_size())
+        return forward(ctx, run_function, distribute_saved_activations, *args)
+
+    CheckpointFunction.forward = staticmethod(counting_forward)
+    return seen
+
+
+def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: str) -> dict:
+    # Runs are compared bit for bit across processes: deterministic kernels where torch has
+    # them (the MoE dispatcher's scatter-adds would otherwise differ run to run); an op without
+    # one warns, and the warning names it in the run's log.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    got, engine = init_scenario(kind, "cuda", size, root)
+    if reclaim == "none":
+        from megatron.core.tensor_parallel.random import CheckpointFunction
+
+        from repro.shared_view_reclaim import install_reclaim
+
+        install_reclaim("none", CheckpointFunction)  # megatron-core's own backward again
+    got["installed_for_steps"] = installed_reclaim()
+    data = fixed_batch(size)
+    probe = _checkpoint_inputs_probe()
+    got["steps"] = [train_step(engine, data) for _ in range(steps)]
+    got["checkpoint_inputs"] = probe
+    got["gpu"] = torch.cuda.get_device_name()
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m repro.verl_engine")
+    parser.add_argument("scenario", choices=SCENARIOS)
+    parser.add_argument("--kind", choices=KINDS, required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--root", type=Path, required=True, help="where the model dir goes")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--reclaim", choices=("installed", "none"), default="installed")
+    args = parser.parse_args(argv)
+    size = SIZES[args.size]
+    if args.scenario == "init":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        _report(size=asdict(size), **init_scenario(args.kind, device, size, args.root)[0])
+    else:
+        _report(size=asdict(size), reclaim=args.reclaim,
+                **train_scenario(args.kind, size, args.root, args.steps, args.reclaim))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
