@@ -1,0 +1,196 @@
+"""The GPU runs that make committed evidence, as named targets of one runner.
+
+Run on the GPU machine from the repository root, after ``. ci/gpu_env.sh`` (``bash
+ci/gpu_offline.sh TARGET ...`` does both)::
+
+    python3 ci/gpu_run.py --out DIR [--parallel] TARGET [TARGET ...]
+    python3 ci/gpu_run.py --list                 # the targets and their commands
+    python3 ci/gpu_run.py --dry-run TARGET ...   # print the commands, run nothing
+
+Every step's output goes into ``steps.log`` under ``--out`` (one section per step, headed by its
+command, exit status and seconds), and at most one JSON of its own beside it; ``run.json``
+records the commit, each step's exact command, exit status and seconds, so an evidence README
+names the runner, its arguments and that file. ``--parallel`` starts every step at once: memory
+figures are per process, step times are then not figures. The device tool brings back at most
+8 files: the runner says when a selection writes more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = "python3"
+MAX_FILES = 8  # what one device call brings back
+PYTEST = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
+RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.py",
+                 "tests/test_reclaim_install_order.py", "tests/test_verl_reclaim.py",
+                 "tests/test_reclaim_value_safety.py"]
+# Megatron-LM's tests at the installed megatron-core's tag (git archive core_v0.19.0 tests/
+# __init__.py tests/unit_tests tests/test_utils into .megatron-tests/core_v0.19.0; carried)
+MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
+
+
+@dataclass
+class Step:
+    name: str  # the log is <name>.log
+    argv: list[str]
+    timeout: int  # seconds
+    json: str | None = None  # a JSON file the step writes, under --out
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _steps(out: str) -> dict[str, list[Step]]:
+    """Target -> its steps (``out``: where their files go)."""
+    o = lambda name: f"{out}/{name}"  # noqa: E731
+    return {
+        # the whole gpu suite and the skip audit; the GPU main job
+        "suite": [Step("pytest-gpu", [*PYTEST, "tests", "-m", "gpu", "-n", "8", "-q",
+                                      "--durations=25", "-p", "repro.harness.skip_audit",
+                                      "--skip-audit=gpu"], 420)],
+        "repro": [Step("repro-cuda", [PY, "-m", "repro", "--device", "cuda", "--json",
+                                      o("repro-cuda.json")], 300, json="repro-cuda.json")],
+        # the reclaim (issue 29): its gpu tests (compute-sanitizer memcheck on the fixed and
+        # unfixed paths, the CUDA alias-graph batch, verl's releases in both orders)
+        "reclaim": [Step("pytest-gpu-reclaim", [*PYTEST, *RECLAIM_TESTS, "-m", "gpu", "-n", "4",
+                                                "-q"], 420)],
+        # peak / kept between steps / gradient digests on the real megatron models, every
+        # one-GPU cell, one measured step each (no step times: see steptime); one step per
+        # model, so that --parallel runs them side by side
+        "megatron-scale": [Step(f"megatron-scale-{model}", [
+            PY, "-m", "benchmarks.megatron_scale", "--device", "cuda", "--models", model,
+            "--strategies", "none,verl-0.8.0,ours", "--sizes", "1024x2048,2048x4096",
+            "--dtypes", "fp32,bf16", "--steps", "3", "--out", o(f"megatron-scale-{model}.json")],
+            540, json=f"megatron-scale-{model}.json")
+            for model in ("moe", "moe-kept-probs", "gpt-mtp")],
+        # step time / none, alone on the GPU: 40 interleaved steps at the largest size
+        "steptime": [Step("megatron-scale-steptime", [
+            PY, "-m", "benchmarks.megatron_scale", "--device", "cuda",
+            "--models", "moe,gpt-mtp", "--strategies", "none,ours", "--sizes", "2048x4096",
+            "--dtypes", "fp32,bf16", "--steps", "40", "--out", o("megatron-scale-steptime.json")],
+            540, json="megatron-scale-steptime.json")],
+        # Megatron-LM's own unit tests once per reclaim: outcomes must not depend on it
+        "megatron-unit-tests": [Step("megatron-unit-tests", [
+            PY, "-m", "benchmarks.megatron_unit_tests", "--tests", MEGATRON_TESTS,
+            "--reclaims", "none,ours,verl-0.8.0,verl-0.9.1", "--timeout", "300",
+            "--json", o("megatron-unit-tests.json")], 560, json="megatron-unit-tests.json")],
+        # the recompute sanitizer on the real models: no false alarm, its cost per mode
+        "sanitizer": [Step("bench-gpu-sanitize", [
+            *PYTEST, "benchmarks/test_bench_sanitize.py", "tests/test_sanitize_recompute_gpu.py",
+            "-m", "gpu", "-p", "no:xdist", "-s", f"--benchmark-json={o('bench-gpu-sanitize.json')}"],
+            420, json="bench-gpu-sanitize.json")],
+        "bench": [Step("bench-gpu", [*PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist",
+                                     f"--benchmark-json={o('bench-gpu.json')}"], 540,
+                       json="bench-gpu.json")],
+        # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
+        "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
+                             env={"STACKFIX_EVIDENCE": out})],
+        # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
+        # threads; the CPU suite on the GPU host
+        "child-phases": [Step("child-phases-cuda", [
+            PY, "-m", "benchmarks.child_phases", "--device", "cuda", "--probes", "1",
+            "--only", "shared-view-reclaim", "--only", "mtp-shape", "--json",
+            o("child-phases-cuda.json")], 120, json="child-phases-cuda.json")],
+        "forkserver-threads": [Step("forkserver-threads", [
+            PY, "ci/diagnose_forkserver_threads.py", "torch"], 120)],
+        "cpu-suite": [Step("pytest-cpu-on-gpu-host", [*PYTEST, "tests", "-m", "cpu", "-n", "16",
+                                                      "-q", "--tb=short"], 480)],
+    }
+
+
+TARGETS = tuple(_steps("OUT"))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        # the device tool's copy of the tree has no .git: the caller passes the commit
+        return os.environ.get("STACKFIX_COMMIT", "unknown")
+
+
+def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
+    records, running = [], []
+    for step in steps:
+        log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
+        start = time.monotonic()
+        proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **step.env})
+        running.append((step, proc, log, start))
+        if not parallel:
+            records.append(_finish(*running.pop()))
+    records += [_finish(*r) for r in running]
+    return records
+
+
+def _finish(step: Step, proc: subprocess.Popen, log, start: float) -> dict:
+    rc = proc.wait()
+    log.close()
+    seconds = round(time.monotonic() - start, 1)
+    print(f"{step.name}: exit {rc} in {seconds} s", flush=True)
+    return {"name": step.name, "argv": step.argv, "env": step.env, "timeout": step.timeout,
+            "exit": rc, "seconds": seconds, "json": step.json}
+
+
+def _fold_logs(records: list[dict], out: Path) -> None:
+    """Each step's log into one ``steps.log``, in the order the steps were given."""
+    with (out / "steps.log").open("w") as folded:
+        for r in records:
+            log = out / f"{r['name']}.log"
+            folded.write(f"===== {r['name']}: exit {r['exit']} in {r['seconds']} s: "
+                         f"{' '.join(r['argv'])}\n")
+            folded.write(log.read_text(errors="replace"))
+            folded.write("\n")
+            log.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 ci/gpu_run.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("targets", nargs="*", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
+    p.add_argument("--out", default=os.environ.get("EVIDENCE", "gpu-evidence"),
+                   help="where the logs, JSON and run.json go ($EVIDENCE)")
+    p.add_argument("--parallel", action="store_true", help="start every step at once")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--list", action="store_true", help="list the targets and their commands")
+    args = p.parse_args(argv)
+    steps = _steps(args.out)
+    if args.list:
+        for name, target in steps.items():
+            for step in target:
+                print(f"{name}: {' '.join(step.argv)}")
+        return 0
+    unknown = [t for t in args.targets if t not in steps]
+    if unknown or not args.targets:
+        p.error(f"{'unknown target(s) ' + ', '.join(unknown) if unknown else 'no target'}; "
+                f"allowed: {', '.join(TARGETS)}")
+    chosen = [s for t in dict.fromkeys(args.targets) for s in steps[t]]
+    files = 3 + sum(s.json is not None for s in chosen)  # steps.log, run.json, environment.txt
+    if files > MAX_FILES:
+        print(f"note: {files} files under {args.out}; one device call brings back "
+              f"{MAX_FILES}", file=sys.stderr)
+    if args.dry_run:
+        for step in chosen:
+            print(" ".join(step.argv))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    records = _run(chosen, out, args.parallel)
+    _fold_logs(records, out)
+    (out / "run.json").write_text(json.dumps(
+        {"commit": _commit(), "started": started, "targets": args.targets,
+         "parallel": args.parallel, "steps": records}, indent=1))
+    return 0 if all(r["exit"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
