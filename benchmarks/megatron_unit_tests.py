@@ -3,9 +3,10 @@
 A fix that changes no value leaves every test of megatron-core's checkpointing, MTP, transformer
 block and MoE as it was: passed, failed, skipped or errored alike (failures included: on one GPU
 without TransformerEngine some fail for the environment, TP > 1 or TE, with any reclaim or
-none). This runs the given test files of a Megatron-LM checkout (its ``tests/`` tree at the tag
-of the installed megatron-core, e.g. ``git archive core_v0.19.0 tests`` into an ignored folder)
-once per reclaim, in a child pytest each, with this module as a pytest plugin that installs the
+none). This runs the given test files of a Megatron-LM checkout (its ``tests/`` tree and its
+``pyproject.toml`` -- pytest's configuration and markers -- at the tag of the installed
+megatron-core, e.g. ``git archive core_v0.19.0 pyproject.toml tests/__init__.py tests/unit_tests
+tests/test_utils`` into an ignored folder) once per reclaim, in a child pytest each, with this module as a pytest plugin that installs the
 reclaim at session start (``repro.shared_view_reclaim.install_reclaim``: ``none``, ``ours``,
 ``verl-0.8.0``, ``verl-0.9.1``), and compares the outcome of every test id::
 
@@ -13,7 +14,10 @@ reclaim at session start (``repro.shared_view_reclaim.install_reclaim``: ``none`
         --reclaims none,ours,verl-0.8.0,verl-0.9.1 --json results.json
 
 Exit status 0 when every reclaim gives every test the outcome ``none`` gives it, 1 when one
-differs (the differences are printed), 2 for bad input. Megatron's unit tests need CUDA.
+differs (the differences are printed) or a child pytest did not run to its end (interrupted,
+an internal error, nothing collected), 2 for bad input. A test file that does not import
+there is an ``error`` outcome of the file, compared like any other. Megatron's unit tests need
+CUDA.
 """
 
 from __future__ import annotations
@@ -99,8 +103,11 @@ def run_once(tests: Path, files: list[str], reclaim: str, timeout: float
         p for p in (str(tests), str(repo), env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
+        # the checkout's own pytest configuration (its markers), not any ini above it
+        config = ["-c", str(tests / "pyproject.toml")] if (tests / "pyproject.toml").is_file() else []
         argv = [sys.executable, "-m", "pytest", *files, "-p", "benchmarks.megatron_unit_tests",
                 f"{OPTION}={reclaim}", "-p", "no:cacheprovider", "-q", "--tb=line",
+                f"--rootdir={tests}", *config, "--continue-on-collection-errors",
                 f"--junitxml={report}"]
         try:
             done = subprocess.run(argv, cwd=tests, env=env, capture_output=True, text=True,
@@ -134,21 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     missing = [f for f in files if not (args.tests / f).is_file()]
     if missing:
         p.error(f"not in {args.tests}: {', '.join(missing)}")
-    by_reclaim, codes = {}, {}
+    by_reclaim, codes, tails = {}, {}, {}
     for reclaim in reclaims:
         codes[reclaim], by_reclaim[reclaim], log = run_once(args.tests.resolve(), files, reclaim,
                                                             args.timeout)
+        tails[reclaim] = log[-3000:]
         counts = Counter(by_reclaim[reclaim].values())
         print(f"{reclaim:>11}: exit {codes[reclaim]}, " + ", ".join(
             f"{n} {o}" for o, n in sorted(counts.items())), flush=True)
-        if not by_reclaim[reclaim]:
-            print(f"  no outcomes found; the log ends:\n{log[-2000:]}", flush=True)
+        if codes[reclaim] not in (0, 1) or not by_reclaim[reclaim]:
+            print(f"  the run did not finish its tests; its log ends:\n{tails[reclaim]}",
+                  flush=True)
     diff = differences(by_reclaim)
     print("\n".join(diff) if diff else "every reclaim: every test's outcome as with none")
     if args.json:
         args.json.write_text(json.dumps({"files": files, "exit": codes, "outcomes": by_reclaim,
-                                         "differences": diff}, indent=1))
-    return 1 if diff or not by_reclaim["none"] else 0
+                                         "differences": diff, "log_tails": tails}, indent=1))
+    unfinished = [r for r in reclaims if codes[r] not in (0, 1) or not by_reclaim[r]]
+    return 1 if diff or unfinished else 0
 
 
 if __name__ == "__main__":

@@ -118,22 +118,26 @@ def _commit() -> str:
 
 
 def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
-    records, running = [], []
-    for step in steps:
+    """The steps one after another, or (``parallel``) all started at once; their records in
+    the order given."""
+    records: dict[int, dict] = {}
+    running = {}
+    for i, step in enumerate(steps):
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
-        start = time.monotonic()
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **step.env})
-        running.append((step, proc, log, start))
-        if not parallel:
-            records.append(_finish(*running.pop()))
-    records += [_finish(*r) for r in running]
-    return records
+        running[i] = (step, proc, log, time.monotonic())
+        while running and (not parallel or i == len(steps) - 1):
+            for j, (step_j, proc_j, log_j, start_j) in list(running.items()):
+                if proc_j.poll() is not None:  # its own end, not when it was waited for
+                    records[j] = _record(step_j, proc_j.returncode, log_j, start_j)
+                    del running[j]
+            time.sleep(0.2)
+    return [records[i] for i in range(len(steps))]
 
 
-def _finish(step: Step, proc: subprocess.Popen, log, start: float) -> dict:
-    rc = proc.wait()
+def _record(step: Step, rc: int, log, start: float) -> dict:
     log.close()
     seconds = round(time.monotonic() - start, 1)
     print(f"{step.name}: exit {rc} in {seconds} s", flush=True)

@@ -1,0 +1,57 @@
+"""ci/gpu_run.py, the one runner of the GPU evidence: its targets, bad input, and what a call
+leaves under --out (one steps.log with a section per step, run.json with each step's exact
+command, exit status and its own seconds, also when the steps run side by side)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+_SPEC = importlib.util.spec_from_file_location(
+    "gpu_run", Path(__file__).parent.parent / "ci" / "gpu_run.py")
+gpu_run = sys.modules["gpu_run"] = importlib.util.module_from_spec(_SPEC)  # ci/ is no package
+_SPEC.loader.exec_module(gpu_run)
+
+
+def test_every_target_lists_its_commands(capsys):
+    assert gpu_run.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for target in ("suite", "reclaim", "megatron-scale", "megatron-unit-tests", "verl-engine"):
+        assert f"\n{target}: " in "\n" + listed
+    assert gpu_run.main(["--dry-run", "--out", "X", "repro"]) == 0
+    assert capsys.readouterr().out.strip() == "python3 -m repro --device cuda --json X/repro-cuda.json"
+
+
+def test_an_unknown_target_is_refused_naming_the_allowed(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_run.main(["nosuch"])
+    assert exit_info.value.code == 2
+    assert "unknown target(s) nosuch; allowed: suite, repro," in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-after-another", "parallel"])
+def test_a_call_leaves_one_folded_log_and_its_record(tmp_path, monkeypatch, parallel):
+    steps = [gpu_run.Step("slow", ["sh", "-c", "sleep 1; echo done"], 30),
+             gpu_run.Step("fails", ["sh", "-c", "echo oops; exit 3"], 30, json="fails.json")]
+    monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
+    monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
+    monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setattr(gpu_run, "REPO", tmp_path)  # no .git there: the commit comes from env
+    argv = ["--out", str(tmp_path / "out"), "t"] + (["--parallel"] if parallel else [])
+    assert gpu_run.main(argv) == 1  # a step failed
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "steps.log"]
+    log = (out / "steps.log").read_text()
+    assert "===== slow: exit 0 in " in log and "done" in log
+    assert "===== fails: exit 3 in " in log and "oops" in log
+    record = json.loads((out / "run.json").read_text())
+    assert record["commit"] == "abc123" and record["parallel"] is parallel
+    slow, fails = record["steps"]
+    assert (slow["exit"], fails["exit"]) == (0, 3)
+    assert slow["seconds"] >= 1.0 and fails["seconds"] < 1.0  # each its own time
+    assert fails["argv"] == ["sh", "-c", "echo oops; exit 3"]
