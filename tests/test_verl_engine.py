@@ -88,8 +88,15 @@ def _scenario(args: list[str], env: dict[str, str], timeout: float) -> dict:
     done = run_isolated(module="repro.verl_engine", args=args, timeout=timeout, cwd=str(REPO),
                         env=dict(env, PYTHONPATH=path))
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.ok and len(lines) == 1, (done.describe(), done.stdout[-2000:],
-                                         done.stderr[-4000:])
+    if not (done.ok and len(lines) == 1):
+        evidence = os.environ.get("STACKFIX_EVIDENCE")
+        if evidence:  # the whole child output beside the evidence: a GPU call is not repeated
+            name = "-".join(a for a in args if not a.startswith("/"))[:80].replace(" ", "_")
+            (Path(evidence) / f"verl-engine-child-{name}.txt").write_text(
+                f"{done.describe()}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+        # the last traceback, not the process-group warnings printed after it
+        tail = done.stderr[done.stderr.rfind("Traceback"):] if "Traceback" in done.stderr else done.stderr
+        pytest.fail(f"{done.describe()}\n{tail[-6000:]}", pytrace=False)
     return json.loads(lines[0][len("RESULT "):])
 
 
