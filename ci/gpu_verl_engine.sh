@@ -30,10 +30,12 @@ cd "$(dirname "$0")/.." || exit 1
 WHEELS=${WHEELS:-.whl}
 EVIDENCE=${EVIDENCE:-gpu-evidence}
 
-# name==version: verl 0.9.1's engine closure (ci/constraints-verl091.txt's pins), megatron-core
-# for Python 3.12, and mbridge
+# name==version: verl 0.9.1's engine closure (ci/constraints-verl091.txt's pins), mbridge, and
+# megatron-core 0.16.1 (its cp312 wheel): mbridge 0.15.1, the newest, reads
+# ModelType.encoder_and_decoder, which megatron-core 0.19 removed (H200, 2026-12-01: engine
+# initialize() raised AttributeError in mbridge/core/util.py:83 on 0.19.2)
 CARRIED=(
-  verl==0.9.1 mbridge==0.15.1 megatron-core==0.19.2 tensordict==0.10.0 pyvers==0.1.0
+  verl==0.9.1 mbridge==0.15.1 megatron-core==0.16.1 tensordict==0.10.0 pyvers==0.1.0
   orjson==3.13.0 importlib-metadata==10.2.0 zipp==4.1.2 omegaconf==2.3.1 codetiming==1.4.0 datasets==4.7.0 dill==0.4.0
   multiprocess==0.70.18 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
   referencing==0.37.0 rpds-py==2026.9.1 pydantic==2.14.4 pydantic-core==2.50.5
