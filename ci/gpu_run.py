@@ -109,12 +109,15 @@ TARGETS = tuple(_steps("OUT"))
 
 
 def _commit() -> str:
+    """STACKFIX_COMMIT when the caller names it (the device tool's copy of the tree may carry a
+    stale .git: it named the session's first commit there), else git's HEAD."""
+    if os.environ.get("STACKFIX_COMMIT"):
+        return os.environ["STACKFIX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # the device tool's copy of the tree has no .git: the caller passes the commit
-        return os.environ.get("STACKFIX_COMMIT", "unknown")
+        return "unknown"
 
 
 def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
