@@ -33,4 +33,13 @@ fi
 if [ -d .megatron-lm/megatron ]; then
   export STACKFIX_MEGATRON_LM=${STACKFIX_MEGATRON_LM:-$PWD/.megatron-lm}
 fi
+# The tree's own history, where the caller carried it as a git bundle (.gpu/head.bundle: `git
+# bundle create .gpu/head.bundle HEAD` here): a copy of the tree on another machine may hold a
+# stale .git (the device tool's named the session's first commit), and pytest-benchmark and
+# ci/gpu_run.py record the commit and whether the tree is dirty from git.
+if [ -f .gpu/head.bundle ] && command -v git >/dev/null; then
+  rm -rf .git && git init -q && git fetch -q .gpu/head.bundle HEAD && git reset -q FETCH_HEAD \
+    || return 1
+  export STACKFIX_COMMIT=${STACKFIX_COMMIT:-$(git rev-parse HEAD)}
+fi
 export PYTHONUNBUFFERED=1
