@@ -20,8 +20,8 @@ from benchmarks import _svg
 from benchmarks._compare import REFERENCES, main_pair, note_for, reference_rows, versus
 from benchmarks._format import fmt
 from benchmarks._results import Row, unit_of
+from benchmarks._verdict import DEFAULT_TOLERANCE
 from benchmarks._views import ENV_KEYS, ScenarioView
-from benchmarks.gate import DEFAULT_TOLERANCE
 
 # Figures in the order a reader wants them; any other figure follows, sorted.
 METRIC_ORDER = ("peak_bytes", "retained_bytes", "after_forward_bytes", "end_of_backward_bytes",

@@ -28,20 +28,20 @@ tracks). Contract of the page:
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
 from benchmarks import _browser, _svg, headline
+from benchmarks._baseline import BASELINE_DIR, baseline_path_for
 from benchmarks._compare import note_for
+from benchmarks._published import RESULTS_DIR, committed_result_files
 from benchmarks._results import ResultsError, Run, load_run
 from benchmarks._section import anchor, section
 from benchmarks._views import ScenarioView, committed_runs, scenario_views
-from benchmarks.gate import BASELINE_DIR, baseline_path_for
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+__all__ = ["RESULTS_DIR", "committed_result_files", "main", "render", "summary_table"]
 CSS = """
 .names td{text-align:left;white-space:normal;padding:1px 8px}
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:16px auto;max-width:1200px;
@@ -143,17 +143,6 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
             + "\n".join(body) + "</body></html>\n")
 
 
-def committed_result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
-    """The results files git tracks under ``results_dir`` (all ``*.json`` there without git)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "--", "*.json"], cwd=results_dir, check=True,
-                             capture_output=True, text=True).stdout.split()
-        files = [results_dir / f for f in out if "/" not in f]
-    except (OSError, subprocess.CalledProcessError):
-        files = sorted(results_dir.glob("*.json"))
-    return sorted(files)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard",
                                      description=__doc__.split("\n\n")[0])
@@ -182,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         page = render(runs, title=args.title, baselines=baselines,
                       include_dirty=args.include_dirty, open_sections=tuple(args.open))
         if args.readme:
-            shown, _ = committed_runs(runs, include_dirty=args.include_dirty)
-            table = headline.readme_block(headline.headline_rows(scenario_views(shown, baselines)))
+            table = headline.readme_table(runs, include_dirty=args.include_dirty)
             changed = headline.update_readme(args.readme, table)
             print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
     except (ResultsError, ValueError) as e:

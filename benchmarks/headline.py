@@ -14,15 +14,19 @@ A cell with no committed run reads "not run". Standard library only.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks._compare import REFERENCES, SUBJECT, Versus, reference_rows, versus
-from benchmarks._results import Row
-from benchmarks._views import ScenarioView
+from benchmarks._published import RESULTS_DIR, published_runs
+from benchmarks._results import ResultsError, Row, Run
+from benchmarks._views import ScenarioView, committed_runs, scenario_views
 
 README_BEGIN = "<!-- headline:begin (generated: python -m benchmarks.dashboard --readme README.md) -->"
 README_END = "<!-- headline:end -->"
+README = Path(__file__).resolve().parent.parent / "README.md"
 MiB = 2**20
 
 
@@ -138,15 +142,69 @@ def readme_block(rows: list[HeadlineRow]) -> str:
             "[`benchmarks/results/dashboard.html`](benchmarks/results/dashboard.html).\n")
 
 
-def update_readme(path: str | Path, table: str) -> bool:
-    """Put ``table`` between the README's markers; True if the file changed. ValueError when
-    the markers are missing or out of order (nothing is written then)."""
-    path = Path(path)
-    text = path.read_text()
+def block_span(text: str, path: str | Path = "README.md") -> tuple[int, int]:
+    """Where the generated block's content lies in ``text`` (after the begin marker's line, up
+    to the end marker). ResultsError when the markers are missing or out of order."""
     begin, end = text.find(README_BEGIN), text.find(README_END)
     if begin < 0 or end < begin:
-        raise ValueError(f"{path}: no '{README_BEGIN}' ... '{README_END}' block to fill")
-    new = text[:begin + len(README_BEGIN)] + "\n" + table.rstrip("\n") + "\n" + text[end:]
+        raise ResultsError(f"{path}: no '{README_BEGIN}' ... '{README_END}' block to fill")
+    return begin + len(README_BEGIN), end
+
+
+def with_block(text: str, table: str, path: str | Path = "README.md") -> str:
+    start, end = block_span(text, path)
+    return text[:start] + "\n" + table.rstrip("\n") + "\n" + text[end:]
+
+
+def update_readme(path: str | Path, table: str) -> bool:
+    """Put ``table`` between the README's markers; True if the file changed. ResultsError (a
+    ValueError) when the markers are missing or out of order (nothing is written then)."""
+    path = Path(path)
+    text = path.read_text()
+    new = with_block(text, table, path)
     if new != text:
         path.write_text(new)
     return new != text
+
+
+def readme_table(runs: list[Run], *, include_dirty: bool = False) -> str:
+    """The README's generated block for ``runs`` (the committed ones: ``benchmarks._published``)."""
+    shown, _ = committed_runs(runs, include_dirty=include_dirty)
+    return readme_block(headline_rows(scenario_views(shown)))
+
+
+def write_readme(path: str | Path, runs: list[Run]) -> bool:
+    return update_readme(path, readme_table(runs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=(
+        "Write (or --check) README.md's generated figure table from the committed runs."))
+    parser.add_argument("--readme", type=Path, default=README, help="default: the repository's")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when the "
+                        "README's block differs from what the committed runs give")
+    args = parser.parse_args(argv)
+    try:
+        runs = published_runs(args.results_dir)
+        text = args.readme.read_text()
+        new = with_block(text, readme_table(runs), args.readme)
+    except (OSError, ResultsError) as e:
+        print(f"headline: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new != text:
+            print(f"headline: {args.readme}'s generated table differs from the committed runs'; "
+                  f"regenerate it: python -m benchmarks.headline --readme {args.readme}",
+                  file=sys.stderr)
+            return 1
+        print(f"headline: {args.readme}'s generated table matches the committed runs")
+        return 0
+    if new != text:
+        args.readme.write_text(new)
+    print(f"headline: {args.readme}: {'rewritten' if new != text else 'unchanged'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
