@@ -7,7 +7,9 @@ row per strategy of the scenario's family: its value (bytes in MiB, ``crashed (N
 in this run"), then for additive figures (bytes, FLOPs) its ratio and difference against no
 reclaim and each verl release present in the family, then its change against the previous run
 and the baseline. Notes name environment changes and moves beyond the gate's tolerance in the
-same environment. Standard library only.
+same environment. A run older than the last change to the code it measures carries a badge
+on the summary line and a paragraph naming the paths and the commit (``benchmarks._freshness``).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from benchmarks import _svg
 from benchmarks._compare import REFERENCES, main_pair, note_for, reference_rows, versus
 from benchmarks._format import fmt
+from benchmarks._freshness import Freshness
 from benchmarks._results import Row, unit_of
 from benchmarks._verdict import DEFAULT_TOLERANCE
 from benchmarks._views import ENV_KEYS, ScenarioView
@@ -175,16 +178,31 @@ def _history(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
                            marks=view.env_changes)
 
 
-def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False) -> str:
-    """One scenario on one device kind (see the module docstring)."""
+def _freshness_html(freshness: Freshness | None) -> tuple[str, str]:
+    """(the summary line's badge, the paragraph under it) for the run's freshness."""
+    if freshness is None:
+        return "", ""
+    if not freshness.stale:
+        return "", f'<p class="meta">{escape(freshness.note())}.</p>'
+    return (f' <span class="stale">{escape(str(freshness.age))}</span>',
+            f'<p class="stale">{escape(freshness.note())}: its figures may not describe the code '
+            f'at {escape(freshness.head[:8] or "HEAD")}.</p>')
+
+
+def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,
+            freshness: Freshness | None = None) -> str:
+    """One scenario on one device kind (see the module docstring); ``freshness``: whether its
+    run is older than the code it measures (``benchmarks._freshness``)."""
     metrics = sorted(view.metrics, key=_metric_sort_key)
     latest = view.latest
     run = latest.run
     dirty = ' <span class="dirty">dirty tree</span>' if run.dirty else ""
+    badge, age_note = _freshness_html(freshness)
     prev = view.previous
     out = [f'<details class="scn" id="{anchor(view.kind, view.scenario)}"{" open" if open_ else ""}>'
            f'<summary><b>{escape(view.scenario)}</b> <span class="meta">({escape(view.kind)}; '
-           f'latest {escape(latest.label)})</span>{dirty}{_summary_delta(view, metrics)}</summary>',
+           f'latest {escape(latest.label)})</span>{dirty}{badge}{_summary_delta(view, metrics)}</summary>',
+           age_note,
            f'<p class="meta">latest run of this scenario on {escape(view.kind)}: commit '
            f'<b>{escape(run.commit[:12] or "unknown (no git)")}</b>{dirty}, {escape(run.date or "no date")} UTC'
            f' · {_env_text(latest) or "environment not recorded"} · file {escape(Path(run.path).name)}'

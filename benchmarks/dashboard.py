@@ -36,6 +36,7 @@ from pathlib import Path
 from benchmarks import _browser, _svg, headline
 from benchmarks._baseline import BASELINE_DIR, baseline_path_for
 from benchmarks._compare import note_for
+from benchmarks._freshness import History, freshness
 from benchmarks._published import RESULTS_DIR, committed_result_files
 from benchmarks._results import ResultsError, Run, load_run
 from benchmarks._section import anchor, section
@@ -59,6 +60,7 @@ details.scn>summary{cursor:pointer;padding:5px 0;font-size:13.5px}
 details.scn[open]>summary{border-bottom:1px solid #eee;margin-bottom:6px}
 .delta{font-weight:600;margin-left:8px} .good{color:#1a7f37} .bad{color:#c62828}
 .crashed{color:#c62828;font-weight:600} .dirty{color:#b35;font-weight:600}
+.stale{color:#c62828;font-weight:600}
 .fig{display:flex;flex-wrap:wrap;gap:0 24px;align-items:flex-start;border-top:1px solid #f0f0f0}
 .key{display:inline-block;margin-right:12px;font-size:12px} .key i{display:inline-block;
 width:10px;height:10px;border-radius:2px;margin-right:4px} h3{font-size:13px;margin:10px 0 2px}
@@ -74,6 +76,9 @@ def summary_table(rows: list[headline.HeadlineRow]) -> str:
         cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" title="{escape(row.cell.scenario)}">'
                     f'{cells[0]}</a>')
         cells = [f'<span class="crashed">{c}</span>' if c.startswith("crashed") else c for c in cells]
+        if row.freshness is not None and row.freshness.stale:
+            cells[-1] = f'<span class="stale" title="{escape(row.freshness.note())}">{cells[-1]}</span>'
+
         out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</table>")
     return "".join(out)
@@ -108,9 +113,10 @@ def _strategy_colours(views: list[ScenarioView]) -> dict[str, str]:
 
 def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
            baselines: dict[str, Run] | None = None, include_dirty: bool = False,
-           open_sections: tuple[str, ...] = ()) -> str:
+           open_sections: tuple[str, ...] = (), history: History | None = None) -> str:
     """The page for ``runs`` (any order); ``baselines``: device kind -> baseline run;
-    ``open_sections``: anchors of sections to draw expanded."""
+    ``open_sections``: anchors of sections to draw expanded; ``history``: the checkout whose
+    code each section's run is judged against (None: not judged)."""
     if not runs:
         raise ValueError("render needs at least one run")
     shown, left_out = committed_runs(runs, include_dirty=include_dirty)
@@ -125,17 +131,26 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
         dirty_note = '; <span class="dirty">runs of a dirty tree included, marked +dirty</span>'
     strategies = "".join(f"<tr><td>{escape(s)}</td><td>{escape(note_for(s))}</td></tr>"
                          for s in colours if note_for(s))
+    age = ""
+    if history is not None:
+        age = (f' Each run is judged against the code as of {escape(history.head()[:8] or "?")}: '
+               f'a section whose run is older than the last change to the code it measures '
+               f'(<code>git log RUN..HEAD -- PATHS</code>) says so, '
+               f'<span class="stale">in red</span>.')
     head = (f'<h1>{escape(title)}</h1><p class="meta">{len(shown)} committed run(s){dirty_note}; '
             f'generated {generated}. Bytes: MemTracker on CPU, CUDA max_memory_allocated on GPU; '
             f'smaller is better. Each section shows the latest run of that scenario on that device '
-            f'kind; ratios are value / reference, differences value - reference.</p>'
-            f'<h2>Headline figures (MiB)</h2>{summary_table(headline.headline_rows(views))}'
+            f'kind; ratios are value / reference, differences value - reference.{age}</p>'
+            f'<h2>Headline figures (MiB)</h2>'
+            f'{summary_table(headline.headline_rows(views, history=history))}'
             f'<details open><summary class="meta">what the strategy names mean</summary>'
             f'<table class="names">{strategies}</table></details>{_nav(views)}')
     body = []
     for kind in sorted({v.kind for v in views}):
         body.append(f'<h2 id="{anchor(kind, "")}">{escape(kind)}</h2>')
-        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections)
+        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections,
+                         freshness=None if history is None else freshness(
+                             v.latest.run.commit, v.scenario.split("/")[0], history))
                  for v in views if v.kind == kind]
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -168,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {k for run in runs for k in run.device_kinds}
         paths = {k: baseline_path_for(k, args.baselines) for k in sorted(kinds)}
         baselines = {k: load_run(p) for k, p in paths.items() if p.is_file()}
+        history = History()
         page = render(runs, title=args.title, baselines=baselines,
-                      include_dirty=args.include_dirty, open_sections=tuple(args.open))
+                      include_dirty=args.include_dirty, open_sections=tuple(args.open),
+                      history=history)
         if args.readme:
-            table = headline.readme_table(runs, include_dirty=args.include_dirty)
+            table = headline.readme_table(runs, include_dirty=args.include_dirty, history=history)
             changed = headline.update_readme(args.readme, table)
             print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
     except (ResultsError, ValueError) as e:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks._compare import REFERENCES, SUBJECT, Versus, reference_rows, versus
+from benchmarks._freshness import Freshness, History, freshness
 from benchmarks._published import RESULTS_DIR, published_runs
 from benchmarks._results import ResultsError, Row, Run
 from benchmarks._views import ScenarioView, committed_runs, scenario_views
@@ -68,20 +69,27 @@ class HeadlineRow:
     subject: Row | None
     run_label: str  # "" when the cell has no committed run
     anchor_key: tuple[str, str]
+    freshness: Freshness | None = None  # whether the run is older than the code it measures
 
     def versus(self) -> list[tuple[str, Versus | None]]:
         return [(title, versus(self.subject, ref, self.metric)) for title, ref in self.references]
 
 
-def headline_rows(views: list[ScenarioView], cells=HEADLINES) -> list[HeadlineRow]:
+def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
+                  history: History | None = None) -> list[HeadlineRow]:
+    """The rows of ``cells`` from ``views``; with ``history``, each says whether its run is
+    older than the code it measures."""
     by_key = {(v.kind, v.scenario): v for v in views}
     rows = []
     for cell in cells:
         view = by_key.get((cell.kind, cell.scenario))
         latest = view.latest.rows if view else {}
+        age = (freshness(view.latest.run.commit, cell.scenario.split("/")[0], history)
+               if view is not None and history is not None else None)
         for metric in cell.metrics:
             rows.append(HeadlineRow(cell, metric, reference_rows(latest), latest.get(SUBJECT),
-                                    view.latest.label if view else "", (cell.kind, cell.scenario)))
+                                    view.latest.label if view else "", (cell.kind, cell.scenario),
+                                    age))
     return rows
 
 
@@ -119,7 +127,15 @@ def cells_of(row: HeadlineRow) -> list[str]:
             figure_text(row.subject, row.metric),
             *("-- (crashed)" if ref is not None and ref.crashed else versus_text(v)
               for (_, v), (_, ref) in zip(row.versus(), row.references, strict=True)),
-            row.run_label or "not run"]
+            _run_cell(row)]
+
+
+def _run_cell(row: HeadlineRow) -> str:
+    """The run's label, and where it is older than the code it measures, that and the paths."""
+    if not row.run_label:
+        return "not run"
+    words = row.freshness.short() if row.freshness is not None else ""
+    return f"{row.run_label}, {words}" if words else row.run_label
 
 
 def markdown(rows: list[HeadlineRow]) -> str:
@@ -167,10 +183,12 @@ def update_readme(path: str | Path, table: str) -> bool:
     return new != text
 
 
-def readme_table(runs: list[Run], *, include_dirty: bool = False) -> str:
-    """The README's generated block for ``runs`` (the committed ones: ``benchmarks._published``)."""
+def readme_table(runs: list[Run], *, include_dirty: bool = False,
+                 history: History | None = None) -> str:
+    """The README's generated block for ``runs`` (the committed ones: ``benchmarks._published``),
+    each row's run judged against ``history`` (default: this checkout's)."""
     shown, _ = committed_runs(runs, include_dirty=include_dirty)
-    return readme_block(headline_rows(scenario_views(shown)))
+    return readme_block(headline_rows(scenario_views(shown), history=history or History()))
 
 
 def write_readme(path: str | Path, runs: list[Run]) -> bool:
