@@ -11,14 +11,19 @@ tracks). Contract of the page:
   they are labelled ``+dirty`` (``benchmarks._views``).
 - A summary table of the headline cells (``benchmarks.headline``) comes first; ``--readme``
   writes the same table into the README between its markers, and ``--screenshot`` a PNG of
-  the page (headless Chromium, ``benchmarks._browser``), in the same command.
+  the whole page, as tall as it is (headless Chromium, ``benchmarks._browser``), in the same
+  command.
 - One collapsible section per device kind and scenario, showing the latest run *of that
   scenario on that kind*. Its one-line summary (visible while collapsed) gives ours against no
   reclaim and the change since the previous run. Open, it gives per figure every strategy's
-  value, its ratio and difference against no reclaim and each verl release
+  value, its ratio and difference against the family's "none" and each verl release
   (``benchmarks._compare``), its change against the previous run and the baseline
-  (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and the
-  history of the figure over the scenario's runs with environment changes noted.
+  (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and a
+  chart: the figure's history over the scenario's runs with environment changes noted, or the
+  run's strategies side by side. Step times only with the spread of their repeats
+  (``benchmarks._section``).
+- A section (and a headline row) whose run is older than the last change to the code it
+  measures says so, against the checkout the page is built from (``benchmarks._freshness``).
 - A strategy that crashed is shown as ``crashed (NAME)``; one the run did not have, as
   "not in this run".
 - Self-contained: inline CSS and SVG (``benchmarks._svg`` says why no plotting library), no
@@ -55,6 +60,7 @@ table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
 td,th{padding:2px 8px;white-space:nowrap;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
 th{background:#f6f6f6;white-space:normal} th:first-child,td:first-child{text-align:left}
 .summary td:nth-child(-n+3),.summary th:nth-child(-n+3){text-align:left} .summary td:first-child{white-space:normal}
+.summary td:last-child{white-space:normal;text-align:left;min-width:9em}
 details.scn{border:1px solid #e4e4e4;border-radius:6px;margin:4px 0;padding:0 10px}
 details.scn>summary{cursor:pointer;padding:5px 0;font-size:13.5px}
 details.scn[open]>summary{border-bottom:1px solid #eee;margin-bottom:6px}
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--open", action="append", default=[], metavar="ANCHOR",
                         help="draw this section expanded (e.g. gpu-h200-megatron-scale-moe-2048x4096-fp32)")
     parser.add_argument("--screenshot", type=Path, metavar="PNG",
-                        help="also write a 1280 px wide screenshot of the page (headless Chromium)")
+                        help="also write a screenshot of the whole page, 1280 px wide (headless Chromium)")
     parser.add_argument("--title", default="stackfix peak-memory benchmarks")
     parser.add_argument("--baselines", type=Path, default=BASELINE_DIR,
                         help="folder of <device_kind>.json baselines (default: the gate's)")
@@ -202,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             print("dashboard: --screenshot needs Chromium (apt-get install chromium, or "
                   "$STACKFIX_CHROMIUM)", file=sys.stderr)
             return 2
-        _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
-        print(f"dashboard: screenshot -> {args.screenshot}")
+        height = _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
+        cut = " (the page is taller: cut there)" if height == _browser.MAX_HEIGHT else ""
+        print(f"dashboard: screenshot 1280x{height}{cut} -> {args.screenshot}")
     return 0
 
 
