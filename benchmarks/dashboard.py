@@ -60,7 +60,7 @@ table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
 td,th{padding:2px 8px;white-space:nowrap;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
 th{background:#f6f6f6;white-space:normal} th:first-child,td:first-child{text-align:left}
 .summary td:nth-child(-n+3),.summary th:nth-child(-n+3){text-align:left} .summary td:first-child{white-space:normal}
-.summary td:last-child{white-space:normal;text-align:left;min-width:9em}
+.summary td:last-child{white-space:normal;text-align:left} .nowrap{white-space:nowrap}
 details.scn{border:1px solid #e4e4e4;border-radius:6px;margin:4px 0;padding:0 10px}
 details.scn>summary{cursor:pointer;padding:5px 0;font-size:13.5px}
 details.scn[open]>summary{border-bottom:1px solid #eee;margin-bottom:6px}
@@ -82,8 +82,10 @@ def summary_table(rows: list[headline.HeadlineRow]) -> str:
         cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" title="{escape(row.cell.scenario)}">'
                     f'{cells[0]}</a>')
         cells = [f'<span class="crashed">{c}</span>' if c.startswith("crashed") else c for c in cells]
-        if row.freshness is not None and row.freshness.stale:
-            cells[-1] = f'<span class="stale" title="{escape(row.freshness.note())}">{cells[-1]}</span>'
+        if row.run_label and row.freshness is not None and row.freshness.stale:
+            # the paths and the commit are the section's (and the tooltip's): the table stays narrow
+            cells[-1] = (f'<span class="nowrap">{escape(row.run_label)}</span><br><span class="stale" title="'
+                         f'{escape(row.freshness.note())}">{escape(str(row.freshness.age))}</span>')
 
         out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</table>")
