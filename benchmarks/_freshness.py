@@ -107,9 +107,9 @@ class Freshness:
         return f"run at {run or 'an unknown commit'}: no measured paths declared for this benchmark"
 
     def short(self) -> str:
-        """The headline table's (and the README's) words: "" for a current run."""
-        if self.age is Age.OLDER:
-            return f"older than the code ({', '.join(self.changed)})"
+        """The headline table's (and the README's) words: "" for a current run. No paths or
+        commits: those are the section's, and the README's table changes only when a run's
+        age does."""
         return "" if self.age is Age.CURRENT else str(self.age)
 
 

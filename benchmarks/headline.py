@@ -152,7 +152,9 @@ def readme_block(rows: list[HeadlineRow]) -> str:
             "each device kind (`python -m benchmarks.dashboard -o benchmarks/results/dashboard.html "
             "--readme README.md`; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
             "`ours / X` is ours' figure divided by X's, the difference in MiB in brackets; `run` is "
-            "the commit and date (UTC) of the run. CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
+            "the commit and date (UTC) of the run that measured the row, and \"older than the "
+            "code\" where a later commit changed the code it measures (the dashboard's section "
+            "names the paths and the commit; `benchmarks/_freshness.py`). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
             "stats, `pytest benchmarks -m gpu`. Every other figure (activation checkpointing with "
             "`mesh_preserving_context_fn`, step times, the sanitizers) and each figure's history: "
             "[`benchmarks/results/dashboard.html`](benchmarks/results/dashboard.html).\n")

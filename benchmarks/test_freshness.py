@@ -80,7 +80,7 @@ def test_the_section_and_the_headline_say_so_visibly(history):
     assert f"as of {hist.head()[:8]}" in html
     rows = headline.headline_rows(_views.scenario_views([reclaim_run(measured)]), history=hist)
     assert headline.cells_of(rows[0])[-1] == (
-        f"{measured[:8]} 11-30 10:00, older than the code (fixes/megatron/)")
+        f"{measured[:8]} 11-30 10:00, older than the code")
     fresh = dashboard.render([reclaim_run(fix_changed)], history=hist)
     fresh_section = fresh.split(f'id="{dashboard.anchor("cpu", SCN)}"')[1].split("</details>")[0]
     assert 'class="stale"' not in fresh_section
