@@ -149,8 +149,8 @@ def markdown(rows: list[HeadlineRow]) -> str:
 def readme_block(rows: list[HeadlineRow]) -> str:
     """What goes between the README's markers: the table and how it was made."""
     return (markdown(rows) + "\n\nGenerated from the latest committed run of each scenario on "
-            "each device kind (`python -m benchmarks.dashboard -o benchmarks/results/dashboard.html "
-            "--readme README.md`; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
+            "each device kind (`python -m benchmarks.headline`; `python -m benchmarks.gate "
+            "RESULTS.json --refresh` runs it; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
             "`ours / X` is ours' figure divided by X's, the difference in MiB in brackets; `run` is "
             "the commit and date (UTC) of the run that measured the row, and \"older than the "
             "code\" where a later commit changed the code it measures (the dashboard's section "
