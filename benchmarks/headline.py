@@ -1,15 +1,19 @@
 """The headline cells: the figures the README quotes, read from the committed results.
 
+    python -m benchmarks.headline [--readme README.md] [--check]
+
 ``HEADLINES`` names the cells (device kind, scenario, figures; "checkpointed stack": the
 bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
 megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
-``headline_rows`` reads each
-from the latest run of that scenario on that kind (``benchmarks._views``), with every strategy's
-figure and ours against no reclaim and each verl release. The dashboard's summary table and the
-README's table (``update_readme``, between ``README_BEGIN`` and ``README_END``, nothing else of
-the file touched) are both drawn from these rows, so neither is copied by hand:
-``python -m benchmarks.dashboard -o benchmarks/results/dashboard.html --readme README.md``.
-A cell with no committed run reads "not run". Standard library only.
+``headline_rows`` reads each from the latest run of that scenario on that kind
+(``benchmarks._views``), with every strategy's figure, ours against no reclaim and each verl
+release, and (given a ``History``) whether the run is older than the code it measures
+(``benchmarks._freshness``). The dashboard's summary table and the README's table
+(``update_readme``, between ``README_BEGIN`` and ``README_END``, nothing else of the file
+touched) are both drawn from these rows, so neither is copied by hand. The command writes the
+README's block from the committed runs (``benchmarks._published``); ``--check`` writes nothing
+and exits 1 when the block differs (``test_readme_figures.py`` runs it). A cell with no
+committed run reads "not run". Standard library only.
 """
 
 from __future__ import annotations
