@@ -278,12 +278,12 @@ def test_refresh_rewrites_the_readme_block_from_the_filed_run(tmp_path, baseline
     from benchmarks import headline
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"prose 1\n{headline.README_BEGIN}\nold\n{headline.README_END}\nprose 2\n")
+    readme.write_text(f"prose 1\n{headline.README_BEGIN}\nstale table\n{headline.README_END}\nprose 2\n")
     data = results(bench("recompute-reclaim/plain", "none", peak_bytes=28 * MiB, end_of_backward_bytes=23 * MiB),
                    bench("recompute-reclaim/plain", "ours", peak_bytes=25 * MiB, end_of_backward_bytes=19 * MiB))
     assert run_gate(tmp_path, baseline_dir, data, "--refresh", "--allow-missing") == gate.EXIT_OK
     text = readme.read_text()
-    assert text.startswith("prose 1\n") and text.endswith("prose 2\n") and "old" not in text
+    assert text.startswith("prose 1\n") and text.endswith("prose 2\n") and "stale table" not in text
     assert "| checkpointed stack, no aliasing | cpu | peak | 28.00 | not run | not run | 25.00 |" in text
     assert f"refresh: {readme}: generated blocks rewritten" in capsys.readouterr().out
 
