@@ -44,3 +44,20 @@ def test_a_readme_without_markers_is_an_error(tmp_path, capsys):
     path.write_text("no markers\n")
     assert headline.main(["--readme", str(path), "--check"]) == 2
     assert "no '<!-- headline:begin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu-h200"])
+def test_the_committed_baseline_matches_the_published_figures(kind):
+    """The baseline the gate compares with and the figures the README and the dashboard show
+    (the latest committed run of each scenario) are the same figures: a baseline refreshed
+    without filing its run, or a run filed without refreshing, fails here."""
+    from benchmarks._baseline import baseline_path_for
+    from benchmarks._published import published_rows, published_runs
+    from benchmarks._results import load_run
+    from benchmarks._verdict import Verdict, compare
+
+    shown = published_rows(published_runs(), [kind])
+    differ = [f"{c.scenario} [{c.strategy}] {c.metric}: published {c.now}, baseline {c.baseline}"
+              for c in compare(shown, load_run(baseline_path_for(kind)).rows)
+              if c.verdict not in (Verdict.OK, Verdict.INFO)]
+    assert not differ, "\n".join(differ)
