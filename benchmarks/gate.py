@@ -87,9 +87,10 @@ def smallest_strategy_gap(rows: list[Row]) -> tuple[float, str] | None:
     return best
 
 
-def _refresh(run: Run, args, comparisons: list[Comparison]) -> None:
-    """``--refresh``: see the module docstring. Raises ResultsError before writing anything
-    when the run names no commit or the README has no generated block to fill."""
+def _refresh(run: Run, args, comparisons: list[Comparison]) -> Path:
+    """``--refresh``: see the module docstring; returns the file the run is filed as (not
+    committed yet, so not among the files git tracks). Raises ResultsError before writing
+    anything when the run names no commit or the README has no generated block to fill."""
     from benchmarks import record
 
     why = record.refusal(run)
@@ -116,9 +117,10 @@ def _refresh(run: Run, args, comparisons: list[Comparison]) -> None:
         changed = headline.write_readme(readme, published_runs(results_dir, extra=[filed]))
         print(f"refresh: {readme}: generated blocks {'rewritten' if changed else 'unchanged'}")
     print(f"refresh: rebuild the page from the committed runs: {DASHBOARD_COMMAND}")
+    return filed
 
 
-def _load(args) -> tuple[Run, list[Row], list[Row]]:
+def _load(args, filed: tuple[Path, ...] = ()) -> tuple[Run, list[Row], list[Row]]:
     run = load_run(args.results)
     if not run.rows:
         raise ResultsError(f"{args.results}: no benchmarks in the run (all skipped?)")
@@ -129,7 +131,7 @@ def _load(args) -> tuple[Run, list[Row], list[Row]]:
     except ResultsError:
         if not args.refresh:  # --refresh creates a missing baseline file
             raise
-    shown = published_rows(published_runs(Path(args.results_dir)), run.device_kinds)
+    shown = published_rows(published_runs(Path(args.results_dir), extra=filed), run.device_kinds)
     return run, baseline_rows, shown
 
 
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run, baseline_rows, shown = _load(args)
         if args.refresh:
-            _refresh(run, args, compare(run.rows, baseline_rows, tolerance=tolerance))
-            run, baseline_rows, shown = _load(args)
+            filed = _refresh(run, args, compare(run.rows, baseline_rows, tolerance=tolerance))
+            run, baseline_rows, shown = _load(args, (filed,))
     except ResultsError as e:
         print(f"gate: cannot compare: {e}", file=sys.stderr)
         return EXIT_INCOMPARABLE

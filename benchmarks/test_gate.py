@@ -100,6 +100,28 @@ def test_a_shrink_beyond_tolerance_fails_until_the_baseline_is_refreshed(tmp_pat
     assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
 
 
+def test_the_refresh_compares_again_with_the_run_it_filed_before_it_is_committed(
+        tmp_path, baseline_dir, capsys):
+    """In a checkout the published runs are the files git tracks: the run the refresh has just
+    filed is not committed yet, and is still what the README and the dashboard will show."""
+    import subprocess
+
+    published = tmp_path / "published"
+    published.mkdir()
+    subprocess.run(["git", "init", "-q", str(published)], check=True)
+    write(published / "cpu-old.json", results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
+        commit="aaaaaaaa11"))
+    subprocess.run(["git", "-C", str(published), "add", "cpu-old.json"], check=True)
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=30 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB))
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
+    capsys.readouterr()
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh") == gate.EXIT_OK, capsys.readouterr().out
+
+
 def test_verdicts_are_an_enum():
     rows = run_from_json(results(bench("s", "a", peak_bytes=100, step_time_ratio=1.0))).rows
     smaller = run_from_json(results(bench("s", "a", peak_bytes=90, step_time_ratio=2.0))).rows
