@@ -143,6 +143,8 @@ def _summary_delta(view: ScenarioView, metrics: list[str]) -> str:
     if subject in rows and rows[subject].crashed:
         return f'<span class="delta">{head}<span class="crashed">crashed ({escape(rows[subject].crashed)})</span></span>'
     if is_time_metric(metric):  # noise unless read with its spread: no "previous run" either
+        # the figure is already a ratio to its reference: name the strategy alone
+        head = f"{escape(subject)}, {escape(metric)}: "
         return f'<span class="delta">{head}{_time_cell(rows.get(subject), metric)}</span>'
     v = versus(rows.get(subject), rows.get(reference), metric)
     text = head + _versus_cell(metric, v)
