@@ -285,8 +285,10 @@ def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,
             freshness: Freshness | None = None) -> str:
     """One scenario on one device kind (see the module docstring); ``freshness``: whether its
     run is older than the code it measures (``benchmarks._freshness``)."""
-    metrics = sorted(view.metrics, key=_metric_sort_key)
     latest = view.latest
+    # a time figure is read in the latest run alone: one it does not have gets no table
+    metrics = sorted((m for m in view.metrics if not is_time_metric(m)
+                      or any(m in r.metrics for r in latest.rows.values())), key=_metric_sort_key)
     run = latest.run
     dirty = ' <span class="dirty">dirty tree</span>' if run.dirty else ""
     badge, age_note = _freshness_html(freshness)

@@ -136,7 +136,9 @@ def bar_chart(
 ) -> str:
     """Horizontal bars of ``bars`` from zero (see the module docstring); ``axis(lo, hi)`` gives
     the x ticks as (value, label)."""
-    left, right, top, row, bottom = 120, 16, 6, 18, 20
+    # room for the longest name at the 11 px font (about 6.5 px a character)
+    left = max(60, 7 * max((len(b.name) for b in bars), default=0) + 10)
+    right, top, row, bottom = 16, 6, 18, 20
     plot_w = width - left - right
     height = top + row * len(bars) + bottom
     values = [v for b in bars for v in (b.value, *(b.spread or ())) if v is not None]

@@ -254,3 +254,18 @@ def test_a_single_run_gets_a_chart_of_its_strategies():
     for s in ("none", "mtp-skip", "ours"):
         assert f">{s}</text>" in bars
     assert "crashed (SIGSEGV)" in bars
+
+
+def test_a_time_figure_the_latest_run_lacks_gets_no_empty_table():
+    old = run("5555555555", "2026-11-05T00:00:00", bench(SAN, "none", step_time_min_s=0.1),
+              bench(SAN, "storage", step_time_min_s=0.2))
+    new = san_run("6666666666", "2026-11-06T00:00:00", NOISY)
+    html = section(dashboard.render([old, new]), "cpu", SAN)
+    assert "[step_time_min_s]" not in html and "[sanitizer_step_time_ratio]" in html
+
+
+def test_bar_labels_have_room_for_the_longest_strategy_name():
+    bars = [_svg.Bar("storage+mesh+recompute", 1.0, "#000"), _svg.Bar("none", 1.0, "#000")]
+    svg = _svg.bar_chart(bars, str, lambda lo, hi: [])
+    x = float(re.search(r'<text x="([\d.]+)"[^>]*text-anchor="end"[^>]*>storage\+mesh\+recompute', svg)[1])
+    assert x >= 7 * len("storage+mesh+recompute")
