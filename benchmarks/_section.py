@@ -33,7 +33,7 @@ from benchmarks._compare import (
     versus,
 )
 from benchmarks._format import fmt
-from benchmarks._freshness import Freshness
+from benchmarks._freshness import Age, Freshness
 from benchmarks._results import Row, is_time_metric, unit_of
 from benchmarks._spread import Reading, spread_of
 from benchmarks._verdict import DEFAULT_TOLERANCE
@@ -276,9 +276,10 @@ def _freshness_html(freshness: Freshness | None) -> tuple[str, str]:
         return "", ""
     if not freshness.stale:
         return "", f'<p class="meta">{escape(freshness.note())}.</p>'
+    tail = (f": its figures may not describe the code at {freshness.head[:8]}"
+            if freshness.age is Age.OLDER and freshness.head else "")
     return (f' <span class="stale">{escape(str(freshness.age))}</span>',
-            f'<p class="stale">{escape(freshness.note())}: its figures may not describe the code '
-            f'at {escape(freshness.head[:8] or "HEAD")}.</p>')
+            f'<p class="stale">{escape(freshness.note() + tail)}.</p>')
 
 
 def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,

@@ -99,3 +99,12 @@ def test_every_benchmark_family_declares_the_paths_it_measures():
     for family, paths in _freshness.MEASURED_PATHS.items():
         for path in paths:
             assert (root / path).exists(), (family, path)
+
+
+def test_a_run_without_a_commit_is_marked_with_one_plain_sentence(history):
+    hist, *_ = history
+    html = dashboard.render([reclaim_run("unknown")], history=hist)
+    section = html.split(f'id="{dashboard.anchor("cpu", SCN)}"')[1].split("</details>")[0]
+    assert '<span class="stale">commit unknown</span>' in section.split("</summary>")[0]
+    assert ('<p class="stale">run at an unknown commit (git could not name it): its figures '
+            'cannot be tied to the code.</p>') in section
