@@ -4,12 +4,13 @@ sees in it (layout, visibility), with no library between us and the browser.
 Contract:
 - ``find_chromium()``: ``$STACKFIX_CHROMIUM``, else the first of ``CANDIDATES`` on ``PATH``,
   else None (``.ci/run`` installs Debian's ``chromium``).
-- ``screenshot(page, png)``: Chromium's own ``--screenshot`` of the file at a width.
+- ``screenshot(page, png)``: Chromium's own ``--screenshot`` of the file at a width, the window
+  as tall as the page (measured first by ``visible_check``), so nothing is cut.
 - ``visible_check(page)``: loads a copy of the page with ``CHECK_SCRIPT`` appended (the page
   itself has no script), lets Chromium lay it out at ``width`` x ``height``, and returns what the
   script measured, read back from ``--dump-dom``: the headline table's rows and whether it is
   visible, each scenario section's summary delta text and whether it is visible, the sections
-  that say "not in the latest run", and the page's scroll width.
+  that say "not in the latest run", and the page's scroll width and height.
 Every run gets a fresh ``--user-data-dir`` and the flags of ``HEADLESS_FLAGS`` (no sandbox, GPU,
 network services or first-run UI: containers and CI runners have none of them).
 """
@@ -23,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+# Chromium's largest window: a taller page is cut there (``screenshot`` returns the height taken)
+MAX_HEIGHT = 16384
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 HEADLESS_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
@@ -51,6 +54,7 @@ CHECK_SCRIPT = """
     headline_right: table ? table.getBoundingClientRect().right : null,
     sections: sections,
     scroll_width: document.documentElement.scrollWidth,
+    scroll_height: document.documentElement.scrollHeight,
     viewport_width: window.innerWidth,
   });
   document.body.appendChild(out);
@@ -72,15 +76,20 @@ def _run(chromium: str, args: list[str], timeout: float) -> subprocess.Completed
                               capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def screenshot(page: Path, png: Path, *, chromium: str, width: int = 1280, height: int = 2200,
-               timeout: float = 120) -> None:
-    """Write ``png``: the first ``height`` px of ``page`` at ``width`` px. RuntimeError with
+def screenshot(page: Path, png: Path, *, chromium: str, width: int = 1280,
+               height: int | None = None, timeout: float = 120) -> int:
+    """Write ``png``: ``page`` at ``width`` px, as tall as the page laid out at that width
+    (``height`` px if given), up to ``MAX_HEIGHT``; returns the height. RuntimeError with
     Chromium's stderr if no image came out."""
+    if height is None:
+        height = min(int(visible_check(page, chromium=chromium, width=width,
+                                       timeout=timeout)["scroll_height"]), MAX_HEIGHT)
     png = Path(png).resolve()
     proc = _run(chromium, [f"--window-size={width},{height}", f"--screenshot={png}",
                            Path(page).resolve().as_uri()], timeout)
     if not png.is_file():
         raise RuntimeError(f"chromium wrote no screenshot (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return height
 
 
 def visible_check(page: Path, *, chromium: str, width: int = 1280, height: int = 900,

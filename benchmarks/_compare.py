@@ -19,6 +19,9 @@ REFERENCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verl 0.9.1", ("mtp-skip", "verl-0.9.1")),
 )
 SUBJECT = "ours"
+# The first reference is each family's "none": what its title says there.
+NONE_TITLES = {"activation-checkpoint": "no checkpointing", "sanitizers": "no sanitizer",
+               "recompute-sanitizer": "no sanitizer"}
 STRATEGY_NOTES = {
     "none": "no reclaim / no activation checkpointing / no sanitizer: the reference",
     "unsafe": "verl 0.8.0's released reclaim: resize_(0) of every checkpoint input and its grad "
@@ -62,6 +65,12 @@ def reference_rows(rows: dict[str, Row]) -> list[tuple[str, Row | None]]:
         row = next((rows[n] for n in names if n in rows), None)
         out.append((title, row))
     return out
+
+
+def reference_title(title: str, family: str) -> str:
+    """A reference column's title in ``family``: ``no reclaim`` is ``no checkpointing`` for the
+    activation-checkpoint benchmarks, ``no sanitizer`` for the sanitizers'."""
+    return NONE_TITLES.get(family, title) if title == REFERENCES[0][0] else title
 
 
 def versus(row: Row | None, reference: Row | None, metric: str) -> Versus | None:

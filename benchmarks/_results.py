@@ -3,7 +3,13 @@ figures the gate and the dashboard compare. Standard library only.
 
 Every benchmark here stores in ``extra_info``: ``scenario``, ``strategy``, ``device_kind`` and
 its figures as numbers (``peak_bytes``, ``end_of_backward_bytes``, ``recompute_flops``,
-``step_time_ratio``...). A figure's unit follows from its name's suffix (``UNITS``).
+``step_time_ratio``...). A figure's unit follows from its name's suffix (``UNITS``). A timed
+figure also stores each interleaved repeat it is the median of, as a list under
+``<figure>_repeats`` (``REPEATS_SUFFIX``; ``benchmarks._spread`` reads them).
+
+Where a figure was measured: the file's ``commit_info``, unless the benchmark entry carries its
+own ``measured`` record (``{"commit", "dirty", "datetime", "file"}``), as a baseline's rows do
+once ``python -m benchmarks.gate --refresh`` has replaced them from a later run.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ CRASHED_KEY = "crashed"  # extra_info: the name of what ended a strategy that cr
 # Suffix -> unit; the first match wins. Figures ending in a MEMORY_SUFFIXES entry are gated.
 UNITS = (("_bytes", "bytes"), ("_flops", "FLOPs"), ("_ratio", "x"), ("_s", "s"))
 MEMORY_SUFFIXES = ("_bytes",)
+REPEATS_SUFFIX = "_repeats"
+MEASURED_KEY = "measured"  # a benchmark entry's own provenance (benchmarks._baseline.refresh)
 
 
 def unit_of(metric: str) -> str:
@@ -28,6 +36,13 @@ def unit_of(metric: str) -> str:
 
 def is_memory_metric(metric: str) -> bool:
     return metric.endswith(MEMORY_SUFFIXES)
+
+
+def is_time_metric(metric: str) -> bool:
+    """A step time or a ratio of step times: noise on a shared machine unless shown with the
+    spread of its repeats."""
+    unit = unit_of(metric)
+    return unit == "s" or (unit == "x" and "time" in metric)
 
 
 class ResultsError(ValueError):
@@ -45,6 +60,9 @@ class Row:
     name: str = ""
     env: dict[str, str] = field(default_factory=dict)  # torch_version, megatron_core_version...
     crashed: str | None = None
+    repeats: dict[str, tuple[float, ...]] = field(default_factory=dict)  # figure -> each repeat
+    commit: str = ""  # the commit that measured these figures ("" where unknown)
+    source: str = ""  # the file they were read from
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -85,7 +103,22 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def row_from_benchmark(bench: dict) -> Row:
+def _repeats(extra: dict) -> dict[str, tuple[float, ...]]:
+    out = {}
+    for key, value in extra.items():
+        if key.endswith(REPEATS_SUFFIX) and isinstance(value, list) and value \
+                and all(_is_number(v) for v in value):
+            out[key.removesuffix(REPEATS_SUFFIX)] = tuple(float(v) for v in value)
+    return out
+
+
+def _commit_id(commit_info: dict) -> str:
+    """pytest-benchmark writes id "unknown" where git could not answer (e.g. a copied tree)."""
+    commit_id = str(commit_info.get("id") or "")
+    return "" if commit_id == "unknown" else commit_id
+
+
+def row_from_benchmark(bench: dict, *, commit: str = "", source: str = "") -> Row:
     extra = bench.get("extra_info") or {}
     name = bench.get("fullname") or bench.get("name") or "?"
     missing = [k for k in IDENTITY_KEYS if not isinstance(extra.get(k), str) or not extra[k]]
@@ -95,14 +128,19 @@ def row_from_benchmark(bench: dict) -> Row:
     env = {k: v for k, v in extra.items()
            if k not in (*IDENTITY_KEYS, CRASHED_KEY) and isinstance(v, str)}
     crashed = extra.get(CRASHED_KEY)
+    measured = bench.get(MEASURED_KEY)
+    if isinstance(measured, dict):
+        commit = _commit_id({"id": measured.get("commit")})
     return Row(extra["scenario"], extra["strategy"], extra["device_kind"], metrics, name, env,
-               str(crashed) if crashed else None)
+               str(crashed) if crashed else None, _repeats(extra), commit, source)
 
 
 def run_from_json(data: dict, *, path: str = "") -> Run:
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ResultsError(f"{path or 'input'}: not pytest-benchmark JSON (no 'benchmarks' list)")
-    rows = [row_from_benchmark(b) for b in data["benchmarks"]]
+    commit = data.get("commit_info") or {}
+    commit_id = _commit_id(commit)
+    rows = [row_from_benchmark(b, commit=commit_id, source=path) for b in data["benchmarks"]]
     seen: dict[tuple[str, str, str], str] = {}
     for row in rows:
         if row.key in seen:
@@ -110,10 +148,7 @@ def run_from_json(data: dict, *, path: str = "") -> Run:
                 f"{path or 'input'}: {row.key} is reported twice ({seen[row.key]} and {row.name})"
             )
         seen[row.key] = row.name
-    commit = data.get("commit_info") or {}
-    # pytest-benchmark writes id "unknown" where git could not answer (e.g. a copied tree).
-    commit_id = str(commit.get("id") or "")
-    label = "" if commit_id in ("", "unknown") else commit_id[:8]
+    label = commit_id[:8]
     if label and commit.get("dirty"):
         label += "+dirty"
     if not label:
@@ -121,7 +156,7 @@ def run_from_json(data: dict, *, path: str = "") -> Run:
     machine = data.get("machine_info") or {}
     skipped = [s for s in data.get("skipped") or [] if isinstance(s, dict)]
     return Run(path=path, label=label, datetime=str(data.get("datetime") or ""), rows=rows,
-               commit="" if commit_id == "unknown" else commit_id, dirty=bool(commit.get("dirty")),
+               commit=commit_id, dirty=bool(commit.get("dirty")),
                python_version=str(machine.get("python_version") or ""), skipped=skipped)
 
 

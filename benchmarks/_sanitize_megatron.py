@@ -4,8 +4,9 @@ GPT and GPT+MTP, full recompute, world size 1): no false positive, and its step-
 One child interpreter per (model, device): build, the model's first step under the sanitizer,
 then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA within
 what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved (none, full,
-sampled, metadata-only). Prints ``SANITIZE-MEGATRON {json}``: regions and ops compared, the
-gradient distances, medians and the median of step-by-step ratios per mode.
+sampled, metadata-only; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``: regions and
+ops compared, the gradient distances, per mode the median step time and the median of the
+step-by-step ratios, each with every step (``*_repeats``).
 
     python -m benchmarks._sanitize_megatron --model moe --device cpu --size 128x128 --steps 3
 """
@@ -17,6 +18,8 @@ import contextlib
 import json
 import statistics
 import time
+
+from benchmarks._spread import interleaved, ratios_to
 
 # mode name -> recompute_sanitizer(values=...)
 MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
@@ -73,17 +76,19 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
               "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
               "ops_compared": sanitizer.ops_compared, "grad_noise": noise,
               "grad_distance": distance(sanitized, reference)}
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    for i in range(steps):
-        for name in list(MODES) if i % 2 == 0 else list(MODES)[::-1]:
-            with _mode(name):
-                t = time.perf_counter()
-                step()
-                times[name].append(time.perf_counter() - t)
+    def timed_step(name: str) -> float:
+        with _mode(name):
+            t = time.perf_counter()
+            step()
+            return time.perf_counter() - t
+
+    times = interleaved(list(MODES), timed_step, steps)
+    ratios = ratios_to(times, "none")
     for name in MODES:
         result[f"{name}_step_s"] = statistics.median(times[name])
-        result[f"{name}_step_time_ratio"] = statistics.median(
-            a / b for a, b in zip(times[name], times["none"], strict=True))
+        result[f"{name}_step_s_repeats"] = times[name]
+        result[f"{name}_step_time_ratio"] = statistics.median(ratios[name])
+        result[f"{name}_step_time_ratio_repeats"] = ratios[name]
     return result
 
 

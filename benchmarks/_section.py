@@ -1,13 +1,20 @@
 """One scenario's section of the dashboard: the collapsible ``<details>`` with its summary
-line, the run it shows (commit, date, environment), a table per figure and the figure's history.
+line, the run it shows (commit, date, environment), a table per figure and a chart.
 
 Contract (for ``section``): the summary line -- visible while collapsed -- holds the section's
 main comparison (``benchmarks._compare.main_pair``) in a ``class="delta"`` span. Each table has a
 row per strategy of the scenario's family: its value (bytes in MiB, ``crashed (NAME)``, or "not
-in this run"), then for additive figures (bytes, FLOPs) its ratio and difference against no
-reclaim and each verl release present in the family, then its change against the previous run
-and the baseline. Notes name environment changes and moves beyond the gate's tolerance in the
-same environment. Standard library only.
+in this run"), then for additive figures (bytes, FLOPs) its ratio and difference against the
+family's "none" (no reclaim, no checkpointing, no sanitizer: ``_compare.reference_title``) and
+each verl release present in the family, then its change against the previous run and the
+baseline. A step time or time ratio is shown only with the spread of its interleaved repeats
+(``benchmarks._spread``: median, lowest and highest), coloured only when every repeat lies on
+one side of 1.0, and not at all where the run recorded no repeats; it is compared with no other
+run. Each figure gets a chart: its history over the scenario's runs, or -- with a single run,
+and for step times -- the latest run's strategies side by side. Notes name environment changes
+and moves beyond the gate's tolerance in the same environment. A run older than the last change
+to the code it measures carries a badge on the summary line and a paragraph naming the paths and
+the commit (``benchmarks._freshness``). Standard library only.
 """
 
 from __future__ import annotations
@@ -17,11 +24,20 @@ from html import escape
 from pathlib import Path
 
 from benchmarks import _svg
-from benchmarks._compare import REFERENCES, main_pair, note_for, reference_rows, versus
+from benchmarks._compare import (
+    REFERENCES,
+    main_pair,
+    note_for,
+    reference_rows,
+    reference_title,
+    versus,
+)
 from benchmarks._format import fmt
-from benchmarks._results import Row, unit_of
+from benchmarks._freshness import Age, Freshness
+from benchmarks._results import Row, is_time_metric, unit_of
+from benchmarks._spread import Reading, spread_of
+from benchmarks._verdict import DEFAULT_TOLERANCE
 from benchmarks._views import ENV_KEYS, ScenarioView
-from benchmarks.gate import DEFAULT_TOLERANCE
 
 # Figures in the order a reader wants them; any other figure follows, sorted.
 METRIC_ORDER = ("peak_bytes", "retained_bytes", "after_forward_bytes", "end_of_backward_bytes",
@@ -32,14 +48,15 @@ METRIC_TITLES = {
     "retained_bytes": "kept between steps (the leak)",
     "after_forward_bytes": "live after forward (kept for backward)",
     "end_of_backward_bytes": "live at the end of backward",
-    "step_time_vs_none_ratio": "step time / no reclaim (median of interleaved ratios; not gated)",
+    "step_time_vs_none_ratio": "step time / no reclaim (interleaved steps; not gated)",
     "recompute_flops": "recompute FLOPs (backward minus backward without AC)",
     "backward_flops": "backward FLOPs",
-    "step_time_ratio": "step time, single-threaded / multithreaded backward",
-    "step_time_single_threaded_s": "step time, single-threaded backward (median)",
-    "step_time_multithreaded_s": "step time, multithreaded backward (median)",
-    "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (medians)",
-    "step_time_s": "step time (median of interleaved rounds)",
+    "step_time_ratio": "step time, single-threaded / multithreaded backward (interleaved rounds)",
+    "step_time_single_threaded_s": "step time, single-threaded backward",
+    "step_time_multithreaded_s": "step time, multithreaded backward",
+    "sanitizer_step_time_ratio": "step time under the sanitizer(s) / without (interleaved rounds; "
+                                 "not gated)",
+    "step_time_s": "step time (interleaved rounds)",
     "sanitizer_step_time_min_ratio": "fastest step under the sanitizer(s) / without",
     "step_time_min_s": "step time (fastest of interleaved rounds)",
 }
@@ -125,6 +142,10 @@ def _summary_delta(view: ScenarioView, metrics: list[str]) -> str:
     head = f"{escape(subject)} / {escape(reference)}, {escape(metric.removesuffix('_bytes'))}: "
     if subject in rows and rows[subject].crashed:
         return f'<span class="delta">{head}<span class="crashed">crashed ({escape(rows[subject].crashed)})</span></span>'
+    if is_time_metric(metric):  # noise unless read with its spread: no "previous run" either
+        # the figure is already a ratio to its reference: name the strategy alone
+        head = f"{escape(subject)}, {escape(metric)}: "
+        return f'<span class="delta">{head}{_time_cell(rows.get(subject), metric)}</span>'
     v = versus(rows.get(subject), rows.get(reference), metric)
     text = head + _versus_cell(metric, v)
     prev = view.previous.rows.get(subject) if view.previous else None
@@ -136,7 +157,55 @@ def _summary_delta(view: ScenarioView, metrics: list[str]) -> str:
     return f'<span class="delta">{text}</span>'
 
 
+READING_CLASSES = {Reading.BELOW: "good", Reading.ABOVE: "bad"}
+
+
+def _time_cell(row: Row | None, metric: str) -> str:
+    """A step time or ratio with the spread of its repeats; a ratio coloured only when every
+    repeat lies on one side of 1.0 (``benchmarks._spread``); without repeats, not shown."""
+    if row is None:
+        return '<span class="note">not in this run</span>'
+    if row.crashed:
+        return f'<span class="crashed">crashed ({escape(row.crashed)})</span>'
+    spread = spread_of(row.repeats, metric)
+    if spread is None:
+        return '<span class="note">not shown: no repeats recorded (a median alone is noise)</span>'
+
+    def text(v: float) -> str:
+        return escape(fmt(metric, v))
+
+    median = text(spread.median)
+    if unit_of(metric) != "x":
+        return f"{median} [{text(spread.low)}-{text(spread.high)}], {spread.count} repeats"
+    reading = spread.reading(1.0)
+    if reading in READING_CLASSES:
+        median = f'<span class="{READING_CLASSES[reading]}">{median}</span>'
+    return (f'{median} [{text(spread.low)}-{text(spread.high)}], {spread.count} repeats · '
+            f'<span class="note">{escape(str(reading))}</span>')
+
+
+def _time_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    latest = view.latest.rows
+    out = ['<table><tr><th>strategy</th><th>median of the interleaved repeats [lowest-highest]'
+           '</th></tr>']
+    for s in view.strategies:
+        row = latest.get(s)
+        if row is not None and not row.crashed and metric not in row.metrics:
+            continue
+        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours)}</td>'
+                   f'<td>{_time_cell(row, metric)}</td></tr>')
+    out.append("</table>")
+    return "".join(out)
+
+
+def _key(strategy: str, colours: dict[str, str]) -> str:
+    return (f'<span class="key"><i style="background:{colours.get(strategy, "#999")}"></i>'
+            f'{escape(strategy)}</span>')
+
+
 def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    if is_time_metric(metric):
+        return _time_table(view, metric, colours)
     latest = view.latest.rows
     # A ratio or a time is compared with its own previous run and baseline only: a step-time
     # ratio already is "against no reclaim".
@@ -144,7 +213,8 @@ def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> s
             if any(n in view.strategies for n in dict(REFERENCES)[title])
             and unit_of(metric) in ("bytes", "FLOPs")]
     previous = view.previous.rows if view.previous else {}
-    head = "".join(f"<th>vs {escape(t)}</th>" for t, _ in refs)
+    family = view.scenario.split("/")[0]
+    head = "".join(f"<th>vs {escape(reference_title(t, family))}</th>" for t, _ in refs)
     out = [f'<table><tr><th>strategy</th><th>{escape(unit_of(metric) or "value")}</th>{head}'
            f'<th>vs previous run</th><th>vs baseline</th></tr>']
     for s in view.strategies:
@@ -156,17 +226,42 @@ def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> s
                  for _, ref in refs]
         prev = previous[s].metrics.get(metric) if s in previous else None
         base = view.baseline[s].metrics.get(metric) if s in view.baseline else None
-        out.append(f'<tr><td title="{escape(note_for(s))}"><span class="key"><i style="background:'
-                   f'{colours.get(s, "#999")}"></i>{escape(s)}</span></td><td>{_value_cell(row, metric)}</td>'
+        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours)}</td>'
+                   f'<td>{_value_cell(row, metric)}</td>'
                    + "".join(f"<td>{c}</td>" for c in cells)
                    + f"<td>{escape(_relative(now, prev))}</td><td>{escape(_relative(now, base))}</td></tr>")
     out.append("</table>")
     return "".join(out)
 
 
+def _bars(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    """The latest run's strategies side by side; a time figure's bars only where it has
+    repeats (their median, the spread as a whisker)."""
+    bars = []
+    for s in view.strategies:
+        row = view.latest.rows.get(s)
+        colour = colours.get(s, "#999")
+        if row is None or row.crashed:
+            bars.append(_svg.Bar(s, None, colour, note=f"crashed ({row.crashed})" if row else
+                                 "not in this run"))
+        elif is_time_metric(metric):
+            spread = spread_of(row.repeats, metric)
+            if spread is not None:
+                bars.append(_svg.Bar(s, spread.median, colour, (spread.low, spread.high)))
+        elif metric in row.metrics:
+            bars.append(_svg.Bar(s, row.metrics[metric], colour))
+    if not any(b.value is not None for b in bars):
+        return ""
+    return _svg.bar_chart(bars, lambda v: fmt(metric, v), _axis(metric),
+                          reference=1.0 if unit_of(metric) == "x" else None)
+
+
 def _history(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
+    if is_time_metric(metric):
+        return _bars(view, metric, colours)  # a history of medians would chart noise
     if len(view.history) < 2:
-        return '<p class="note">history: one committed run of this scenario so far.</p>'
+        return (_bars(view, metric, colours)
+                + '<p class="note">history: one committed run of this scenario so far.</p>')
     labels = [tuple(p.label.split(" ", 1)) if " " in p.label else (p.label, "") for p in view.history]
     series = [(s, [p.rows[s].metrics.get(metric) if s in p.rows else None for p in view.history],
                colours.get(s, "#999")) for s in view.strategies]
@@ -175,16 +270,34 @@ def _history(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
                            marks=view.env_changes)
 
 
-def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False) -> str:
-    """One scenario on one device kind (see the module docstring)."""
-    metrics = sorted(view.metrics, key=_metric_sort_key)
+def _freshness_html(freshness: Freshness | None) -> tuple[str, str]:
+    """(the summary line's badge, the paragraph under it) for the run's freshness."""
+    if freshness is None:
+        return "", ""
+    if not freshness.stale:
+        return "", f'<p class="meta">{escape(freshness.note())}.</p>'
+    tail = (f": its figures may not describe the code at {freshness.head[:8]}"
+            if freshness.age is Age.OLDER and freshness.head else "")
+    return (f' <span class="stale">{escape(str(freshness.age))}</span>',
+            f'<p class="stale">{escape(freshness.note() + tail)}.</p>')
+
+
+def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,
+            freshness: Freshness | None = None) -> str:
+    """One scenario on one device kind (see the module docstring); ``freshness``: whether its
+    run is older than the code it measures (``benchmarks._freshness``)."""
     latest = view.latest
+    # a time figure is read in the latest run alone: one it does not have gets no table
+    metrics = sorted((m for m in view.metrics if not is_time_metric(m)
+                      or any(m in r.metrics for r in latest.rows.values())), key=_metric_sort_key)
     run = latest.run
     dirty = ' <span class="dirty">dirty tree</span>' if run.dirty else ""
+    badge, age_note = _freshness_html(freshness)
     prev = view.previous
     out = [f'<details class="scn" id="{anchor(view.kind, view.scenario)}"{" open" if open_ else ""}>'
            f'<summary><b>{escape(view.scenario)}</b> <span class="meta">({escape(view.kind)}; '
-           f'latest {escape(latest.label)})</span>{dirty}{_summary_delta(view, metrics)}</summary>',
+           f'latest {escape(latest.label)})</span>{dirty}{badge}{_summary_delta(view, metrics)}</summary>',
+           age_note,
            f'<p class="meta">latest run of this scenario on {escape(view.kind)}: commit '
            f'<b>{escape(run.commit[:12] or "unknown (no git)")}</b>{dirty}, {escape(run.date or "no date")} UTC'
            f' · {_env_text(latest) or "environment not recorded"} · file {escape(Path(run.path).name)}'

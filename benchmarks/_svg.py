@@ -15,12 +15,18 @@ scales) is a few dozen lines below, written to the page's needs:
   least 40% of the plot height and flat figures stay readable; tick labels carry as many
   decimals as their step needs, so no two read the same;
 - runs whose environment changed are marked by a dashed line with the change as its tooltip.
+
+``bar_chart`` draws one run's strategies side by side (a section with a single run, and the step
+times, whose history of medians would only chart noise): a bar from zero per strategy, the
+spread of its repeats as a whisker, a note (``crashed (SIGSEGV)``) in place of a missing bar,
+and a dashed line at the reference (1.0 for a ratio).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from html import escape
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
@@ -107,6 +113,66 @@ def line_chart(
             out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{colour}" stroke="#fff">'
                        f'<title>{escape(name)} @ {escape(" ".join(x_labels[i]))}: '
                        f'{escape(tooltip(v))}</title></circle>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    name: str
+    value: float | None  # None: ``note`` is drawn instead
+    colour: str
+    spread: tuple[float, float] | None = None  # lowest and highest repeat
+    note: str = ""
+
+
+def bar_chart(
+    bars: Sequence[Bar],
+    tooltip: Callable[[float], str],
+    axis: Callable[[float, float], list[tuple[float, str]]],
+    *,
+    reference: float | None = None,
+    width: int = 400,
+) -> str:
+    """Horizontal bars of ``bars`` from zero (see the module docstring); ``axis(lo, hi)`` gives
+    the x ticks as (value, label)."""
+    # room for the longest name at the 11 px font (about 6.5 px a character)
+    left = max(60, 7 * max((len(b.name) for b in bars), default=0) + 10)
+    right, top, row, bottom = 16, 6, 18, 20
+    plot_w = width - left - right
+    height = top + row * len(bars) + bottom
+    values = [v for b in bars for v in (b.value, *(b.spread or ())) if v is not None]
+    hi = max([*values, reference or 0.0, 0.0]) * 1.08 or 1.0
+
+    def px(v: float) -> float:
+        return left + plot_w * max(v, 0.0) / hi
+
+    out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" {FONT}>']
+    base = top + row * len(bars)
+    for t, label in axis(0.0, hi):
+        x = px(t)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{base}" stroke="#e6e6e6"/>')
+        out.append(f'<text x="{x:.1f}" y="{base + 14}" text-anchor="middle" fill="#666">{escape(label)}</text>')
+    for i, b in enumerate(bars):
+        y = top + i * row
+        out.append(f'<text x="{left - 6}" y="{y + row - 5}" text-anchor="end" fill="#444">{escape(b.name)}</text>')
+        if b.value is None:
+            out.append(f'<text x="{left + 4}" y="{y + row - 5}" fill="#c62828">{escape(b.note)}</text>')
+            continue
+        tip = escape(f"{b.name}: {tooltip(b.value)}" + (
+            f" (repeats {tooltip(b.spread[0])} to {tooltip(b.spread[1])})" if b.spread else ""))
+        out.append(f'<rect x="{left}" y="{y + 3}" width="{px(b.value) - left:.1f}" height="{row - 6}" '
+                   f'fill="{b.colour}"><title>{tip}</title></rect>')
+        if b.spread:
+            lo, hi_ = px(b.spread[0]), px(b.spread[1])
+            mid = y + row / 2
+            out.append(f'<path d="M{lo:.1f},{mid - 4:.1f}v8M{lo:.1f},{mid:.1f}H{hi_:.1f}M{hi_:.1f},'
+                       f'{mid - 4:.1f}v8" stroke="#222" fill="none"/>')
+    if reference is not None:
+        x = px(reference)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{base}" stroke="#222" '
+                   f'stroke-dasharray="4 3"/>')
     out.append("</svg>")
     return "".join(out)
 

@@ -11,14 +11,19 @@ tracks). Contract of the page:
   they are labelled ``+dirty`` (``benchmarks._views``).
 - A summary table of the headline cells (``benchmarks.headline``) comes first; ``--readme``
   writes the same table into the README between its markers, and ``--screenshot`` a PNG of
-  the page (headless Chromium, ``benchmarks._browser``), in the same command.
+  the whole page, as tall as it is (headless Chromium, ``benchmarks._browser``), in the same
+  command.
 - One collapsible section per device kind and scenario, showing the latest run *of that
   scenario on that kind*. Its one-line summary (visible while collapsed) gives ours against no
   reclaim and the change since the previous run. Open, it gives per figure every strategy's
-  value, its ratio and difference against no reclaim and each verl release
+  value, its ratio and difference against the family's "none" and each verl release
   (``benchmarks._compare``), its change against the previous run and the baseline
-  (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and the
-  history of the figure over the scenario's runs with environment changes noted.
+  (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and a
+  chart: the figure's history over the scenario's runs with environment changes noted, or the
+  run's strategies side by side. Step times only with the spread of their repeats
+  (``benchmarks._section``).
+- A section (and a headline row) whose run is older than the last change to the code it
+  measures says so, against the checkout the page is built from (``benchmarks._freshness``).
 - A strategy that crashed is shown as ``crashed (NAME)``; one the run did not have, as
   "not in this run".
 - Self-contained: inline CSS and SVG (``benchmarks._svg`` says why no plotting library), no
@@ -28,20 +33,21 @@ tracks). Contract of the page:
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
 from benchmarks import _browser, _svg, headline
+from benchmarks._baseline import BASELINE_DIR, baseline_path_for
 from benchmarks._compare import note_for
+from benchmarks._freshness import History, freshness
+from benchmarks._published import RESULTS_DIR, committed_result_files
 from benchmarks._results import ResultsError, Run, load_run
 from benchmarks._section import anchor, section
 from benchmarks._views import ScenarioView, committed_runs, scenario_views
-from benchmarks.gate import BASELINE_DIR, baseline_path_for
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+__all__ = ["RESULTS_DIR", "committed_result_files", "main", "render", "summary_table"]
 CSS = """
 .names td{text-align:left;white-space:normal;padding:1px 8px}
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:16px auto;max-width:1200px;
@@ -54,11 +60,13 @@ table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
 td,th{padding:2px 8px;white-space:nowrap;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
 th{background:#f6f6f6;white-space:normal} th:first-child,td:first-child{text-align:left}
 .summary td:nth-child(-n+3),.summary th:nth-child(-n+3){text-align:left} .summary td:first-child{white-space:normal}
+.summary td:last-child{white-space:normal;text-align:left} .nowrap{white-space:nowrap}
 details.scn{border:1px solid #e4e4e4;border-radius:6px;margin:4px 0;padding:0 10px}
 details.scn>summary{cursor:pointer;padding:5px 0;font-size:13.5px}
 details.scn[open]>summary{border-bottom:1px solid #eee;margin-bottom:6px}
 .delta{font-weight:600;margin-left:8px} .good{color:#1a7f37} .bad{color:#c62828}
 .crashed{color:#c62828;font-weight:600} .dirty{color:#b35;font-weight:600}
+.stale{color:#c62828;font-weight:600}
 .fig{display:flex;flex-wrap:wrap;gap:0 24px;align-items:flex-start;border-top:1px solid #f0f0f0}
 .key{display:inline-block;margin-right:12px;font-size:12px} .key i{display:inline-block;
 width:10px;height:10px;border-radius:2px;margin-right:4px} h3{font-size:13px;margin:10px 0 2px}
@@ -74,6 +82,11 @@ def summary_table(rows: list[headline.HeadlineRow]) -> str:
         cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" title="{escape(row.cell.scenario)}">'
                     f'{cells[0]}</a>')
         cells = [f'<span class="crashed">{c}</span>' if c.startswith("crashed") else c for c in cells]
+        if row.run_label and row.freshness is not None and row.freshness.stale:
+            # the paths and the commit are the section's (and the tooltip's): the table stays narrow
+            cells[-1] = (f'<span class="nowrap">{escape(row.run_label)}</span><br><span class="stale" title="'
+                         f'{escape(row.freshness.note())}">{escape(str(row.freshness.age))}</span>')
+
         out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     out.append("</table>")
     return "".join(out)
@@ -108,9 +121,10 @@ def _strategy_colours(views: list[ScenarioView]) -> dict[str, str]:
 
 def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
            baselines: dict[str, Run] | None = None, include_dirty: bool = False,
-           open_sections: tuple[str, ...] = ()) -> str:
+           open_sections: tuple[str, ...] = (), history: History | None = None) -> str:
     """The page for ``runs`` (any order); ``baselines``: device kind -> baseline run;
-    ``open_sections``: anchors of sections to draw expanded."""
+    ``open_sections``: anchors of sections to draw expanded; ``history``: the checkout whose
+    code each section's run is judged against (None: not judged)."""
     if not runs:
         raise ValueError("render needs at least one run")
     shown, left_out = committed_runs(runs, include_dirty=include_dirty)
@@ -129,33 +143,31 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
         dirty_note = '; <span class="dirty">runs of a dirty tree included, marked +dirty</span>'
     strategies = "".join(f"<tr><td>{escape(s)}</td><td>{escape(note_for(s))}</td></tr>"
                          for s in colours if note_for(s))
+    age = ""
+    if history is not None:
+        age = (f' Each run is judged against the code as of {escape(history.head()[:8] or "?")}: '
+               f'a section whose run is older than the last change to the code it measures '
+               f'(<code>git log RUN..HEAD -- PATHS</code>) says so, '
+               f'<span class="stale">in red</span>.')
     head = (f'<h1>{escape(title)}</h1><p class="meta">{len(shown)} committed run(s){dirty_note}; '
             f'generated {generated}. Bytes: MemTracker on CPU, CUDA max_memory_allocated on GPU; '
             f'smaller is better. Each section shows the latest run of that scenario on that device '
-            f'kind; ratios are value / reference, differences value - reference.</p>'
-            f'<h2>Headline figures (MiB)</h2>{summary_table(headline.headline_rows(views))}'
+            f'kind; ratios are value / reference, differences value - reference.{age}</p>'
+            f'<h2>Headline figures (MiB)</h2>'
+            f'{summary_table(headline.headline_rows(views, history=history))}'
             f'<details open><summary class="meta">what the strategy names mean</summary>'
             f'<table class="names">{strategies}</table></details>{_nav(views)}')
     body = []
     for kind in sorted({v.kind for v in views}):
         body.append(f'<h2 id="{anchor(kind, "")}">{escape(kind)}</h2>')
-        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections)
+        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections,
+                         freshness=None if history is None else freshness(
+                             v.latest.run.commit, v.scenario.split("/")[0], history))
                  for v in views if v.kind == kind]
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>{escape(title)}</title><style>{CSS}</style></head><body>{head}\n'
             + "\n".join(body) + "</body></html>\n")
-
-
-def committed_result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
-    """The results files git tracks under ``results_dir`` (all ``*.json`` there without git)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "--", "*.json"], cwd=results_dir, check=True,
-                             capture_output=True, text=True).stdout.split()
-        files = [results_dir / f for f in out if "/" not in f]
-    except (OSError, subprocess.CalledProcessError):
-        files = sorted(results_dir.glob("*.json"))
-    return sorted(files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--open", action="append", default=[], metavar="ANCHOR",
                         help="draw this section expanded (e.g. gpu-h200-megatron-scale-moe-2048x4096-fp32)")
     parser.add_argument("--screenshot", type=Path, metavar="PNG",
-                        help="also write a 1280 px wide screenshot of the page (headless Chromium)")
+                        help="also write a screenshot of the whole page, 1280 px wide (headless Chromium)")
     parser.add_argument("--title", default="stackfix peak-memory benchmarks")
     parser.add_argument("--baselines", type=Path, default=BASELINE_DIR,
                         help="folder of <device_kind>.json baselines (default: the gate's)")
@@ -183,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {k for run in runs for k in run.device_kinds}
         paths = {k: baseline_path_for(k, args.baselines) for k in sorted(kinds)}
         baselines = {k: load_run(p) for k, p in paths.items() if p.is_file()}
+        history = History()
         page = render(runs, title=args.title, baselines=baselines,
-                      include_dirty=args.include_dirty, open_sections=tuple(args.open))
+                      include_dirty=args.include_dirty, open_sections=tuple(args.open),
+                      history=history)
         if args.readme:
-            shown, _ = committed_runs(runs, include_dirty=args.include_dirty)
-            table = headline.readme_block(headline.headline_rows(scenario_views(shown, baselines)))
+            table = headline.readme_table(runs, include_dirty=args.include_dirty, history=history)
             changed = headline.update_readme(args.readme, table)
             print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
     except (ResultsError, ValueError) as e:
@@ -201,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             print("dashboard: --screenshot needs Chromium (apt-get install chromium, or "
                   "$STACKFIX_CHROMIUM)", file=sys.stderr)
             return 2
-        _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
-        print(f"dashboard: screenshot -> {args.screenshot}")
+        height = _browser.screenshot(Path(args.output), args.screenshot, chromium=chromium)
+        cut = " (the page is taller: cut there)" if height == _browser.MAX_HEIGHT else ""
+        print(f"dashboard: screenshot 1280x{height}{cut} -> {args.screenshot}")
     return 0
 
 

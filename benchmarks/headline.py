@@ -1,28 +1,37 @@
 """The headline cells: the figures the README quotes, read from the committed results.
 
+    python -m benchmarks.headline [--readme README.md] [--check]
+
 ``HEADLINES`` names the cells (device kind, scenario, figures; "checkpointed stack": the
 bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
 megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
-``headline_rows`` reads each
-from the latest run of that scenario on that kind (``benchmarks._views``), with every strategy's
-figure and ours against no reclaim and each verl release. The dashboard's summary table and the
-README's table (``update_readme``, between ``README_BEGIN`` and ``README_END``, nothing else of
-the file touched) are both drawn from these rows, so neither is copied by hand:
-``python -m benchmarks.dashboard -o benchmarks/results/dashboard.html --readme README.md``.
-A cell with no committed run reads "not run". Standard library only.
+``headline_rows`` reads each from the latest run of that scenario on that kind
+(``benchmarks._views``), with every strategy's figure, ours against no reclaim and each verl
+release, and (given a ``History``) whether the run is older than the code it measures
+(``benchmarks._freshness``). The dashboard's summary table and the README's table
+(``update_readme``, between ``README_BEGIN`` and ``README_END``, nothing else of the file
+touched) are both drawn from these rows, so neither is copied by hand. The command writes the
+README's block from the committed runs (``benchmarks._published``); ``--check`` writes nothing
+and exits 1 when the block differs (``test_readme_figures.py`` runs it). A cell with no
+committed run reads "not run". Standard library only.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks._compare import REFERENCES, SUBJECT, Versus, reference_rows, versus
-from benchmarks._results import Row
-from benchmarks._views import ScenarioView
+from benchmarks._freshness import Freshness, History, freshness
+from benchmarks._published import RESULTS_DIR, published_runs
+from benchmarks._results import ResultsError, Row, Run
+from benchmarks._views import ScenarioView, committed_runs, scenario_views
 
 README_BEGIN = "<!-- headline:begin (generated: python -m benchmarks.dashboard --readme README.md) -->"
 README_END = "<!-- headline:end -->"
+README = Path(__file__).resolve().parent.parent / "README.md"
 MiB = 2**20
 
 
@@ -64,20 +73,27 @@ class HeadlineRow:
     subject: Row | None
     run_label: str  # "" when the cell has no committed run
     anchor_key: tuple[str, str]
+    freshness: Freshness | None = None  # whether the run is older than the code it measures
 
     def versus(self) -> list[tuple[str, Versus | None]]:
         return [(title, versus(self.subject, ref, self.metric)) for title, ref in self.references]
 
 
-def headline_rows(views: list[ScenarioView], cells=HEADLINES) -> list[HeadlineRow]:
+def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
+                  history: History | None = None) -> list[HeadlineRow]:
+    """The rows of ``cells`` from ``views``; with ``history``, each says whether its run is
+    older than the code it measures."""
     by_key = {(v.kind, v.scenario): v for v in views}
     rows = []
     for cell in cells:
         view = by_key.get((cell.kind, cell.scenario))
         latest = view.latest.rows if view else {}
+        age = (freshness(view.latest.run.commit, cell.scenario.split("/")[0], history)
+               if view is not None and history is not None else None)
         for metric in cell.metrics:
             rows.append(HeadlineRow(cell, metric, reference_rows(latest), latest.get(SUBJECT),
-                                    view.latest.label if view else "", (cell.kind, cell.scenario)))
+                                    view.latest.label if view else "", (cell.kind, cell.scenario),
+                                    age))
     return rows
 
 
@@ -115,7 +131,15 @@ def cells_of(row: HeadlineRow) -> list[str]:
             figure_text(row.subject, row.metric),
             *("-- (crashed)" if ref is not None and ref.crashed else versus_text(v)
               for (_, v), (_, ref) in zip(row.versus(), row.references, strict=True)),
-            row.run_label or "not run"]
+            _run_cell(row)]
+
+
+def _run_cell(row: HeadlineRow) -> str:
+    """The run's label, and where it is older than the code it measures, that and the paths."""
+    if not row.run_label:
+        return "not run"
+    words = row.freshness.short() if row.freshness is not None else ""
+    return f"{row.run_label}, {words}" if words else row.run_label
 
 
 def markdown(rows: list[HeadlineRow]) -> str:
@@ -129,24 +153,82 @@ def markdown(rows: list[HeadlineRow]) -> str:
 def readme_block(rows: list[HeadlineRow]) -> str:
     """What goes between the README's markers: the table and how it was made."""
     return (markdown(rows) + "\n\nGenerated from the latest committed run of each scenario on "
-            "each device kind (`python -m benchmarks.dashboard -o benchmarks/results/dashboard.html "
-            "--readme README.md`; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
+            "each device kind (`python -m benchmarks.headline`; `python -m benchmarks.gate "
+            "RESULTS.json --refresh` runs it; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
             "`ours / X` is ours' figure divided by X's, the difference in MiB in brackets; `run` is "
-            "the commit and date (UTC) of the run. CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
+            "the commit and date (UTC) of the run that measured the row, and \"older than the "
+            "code\" where a later commit changed the code it measures (the dashboard's section "
+            "names the paths and the commit; `benchmarks/_freshness.py`). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
             "stats, `pytest benchmarks -m gpu`. Every other figure (activation checkpointing with "
             "`mesh_preserving_context_fn`, step times, the sanitizers) and each figure's history: "
             "[`benchmarks/results/dashboard.html`](benchmarks/results/dashboard.html).\n")
 
 
-def update_readme(path: str | Path, table: str) -> bool:
-    """Put ``table`` between the README's markers; True if the file changed. ValueError when
-    the markers are missing or out of order (nothing is written then)."""
-    path = Path(path)
-    text = path.read_text()
+def block_span(text: str, path: str | Path = "README.md") -> tuple[int, int]:
+    """Where the generated block's content lies in ``text`` (after the begin marker's line, up
+    to the end marker). ResultsError when the markers are missing or out of order."""
     begin, end = text.find(README_BEGIN), text.find(README_END)
     if begin < 0 or end < begin:
-        raise ValueError(f"{path}: no '{README_BEGIN}' ... '{README_END}' block to fill")
-    new = text[:begin + len(README_BEGIN)] + "\n" + table.rstrip("\n") + "\n" + text[end:]
+        raise ResultsError(f"{path}: no '{README_BEGIN}' ... '{README_END}' block to fill")
+    return begin + len(README_BEGIN), end
+
+
+def with_block(text: str, table: str, path: str | Path = "README.md") -> str:
+    start, end = block_span(text, path)
+    return text[:start] + "\n" + table.rstrip("\n") + "\n" + text[end:]
+
+
+def update_readme(path: str | Path, table: str) -> bool:
+    """Put ``table`` between the README's markers; True if the file changed. ResultsError (a
+    ValueError) when the markers are missing or out of order (nothing is written then)."""
+    path = Path(path)
+    text = path.read_text()
+    new = with_block(text, table, path)
     if new != text:
         path.write_text(new)
     return new != text
+
+
+def readme_table(runs: list[Run], *, include_dirty: bool = False,
+                 history: History | None = None) -> str:
+    """The README's generated block for ``runs`` (the committed ones: ``benchmarks._published``),
+    each row's run judged against ``history`` (default: this checkout's)."""
+    shown, _ = committed_runs(runs, include_dirty=include_dirty)
+    return readme_block(headline_rows(scenario_views(shown), history=history or History()))
+
+
+def write_readme(path: str | Path, runs: list[Run]) -> bool:
+    return update_readme(path, readme_table(runs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=(
+        "Write (or --check) README.md's generated figure table from the committed runs."))
+    parser.add_argument("--readme", type=Path, default=README, help="default: the repository's")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when the "
+                        "README's block differs from what the committed runs give")
+    args = parser.parse_args(argv)
+    try:
+        runs = published_runs(args.results_dir)
+        text = args.readme.read_text()
+        new = with_block(text, readme_table(runs), args.readme)
+    except (OSError, ResultsError) as e:
+        print(f"headline: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new != text:
+            print(f"headline: {args.readme}'s generated table differs from the committed runs'; "
+                  f"regenerate it: python -m benchmarks.headline --readme {args.readme}",
+                  file=sys.stderr)
+            return 1
+        print(f"headline: {args.readme}'s generated table matches the committed runs")
+        return 0
+    if new != text:
+        args.readme.write_text(new)
+    print(f"headline: {args.readme}: {'rewritten' if new != text else 'unchanged'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

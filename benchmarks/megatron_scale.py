@@ -36,8 +36,9 @@ how an earlier version of this tool reported every reclaim as costing +6% peak. 
 - ``requested_peak_bytes`` (CUDA): ``peak_bytes`` in the bytes tensors asked for (no allocator
   rounding);
 - ``step_ms``: median step time; ``none_step_ms``: the median of no reclaim, timed in the same
-  child interleaved step by step with it; ``step_time_ratio``: the median of the step-by-step
-  ratios (the step-time cost of the reclaim).
+  child interleaved step by step with it (``benchmarks._spread.interleaved``);
+  ``step_time_ratio``: the median of the step-by-step ratios (the step-time cost of the
+  reclaim), ``step_time_ratios`` each of them (their spread).
 
 CUDA figures come from the caching allocator's statistics; CPU figures from
 ``torch.distributed._tools.mem_tracker.MemTracker`` (every storage since the build; reclaims'
@@ -58,6 +59,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+
+from benchmarks._spread import interleaved
 
 MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
 MOE_MODELS = tuple(m for m in MODELS if m.startswith("moe"))
@@ -88,6 +91,7 @@ class Cell:
     step_ms: float = 0.0  # median over --steps steps
     none_step_ms: float = 0.0  # no reclaim, timed interleaved with step_ms in the same process
     step_time_ratio: float = 0.0  # median of (this step / the adjacent no-reclaim step)
+    step_time_ratios: list | None = None  # each of those ratios, in step order
     events: dict | None = None  # reclaim decisions of the measured step, by action
     # sha256 of every parameter's grad after the measured step (by name, raw bytes): equal
     # digests across strategies = bitwise equal gradients
@@ -331,24 +335,27 @@ def _measure(cell: Cell, steps: int, trace: bool = False,
         # Step time, interleaved with no reclaim in this process (same model, same GPU state,
         # same moment): separate processes' medians differed by up to 15% from run to run.
         own = [cell.strategy] if install is None or cell.strategy == "none" else [cell.strategy, "none"]
-        times: dict[str, list[float]] = {name: [] for name in own}
-        for i in range(steps):
-            for name in own if i % 2 == 0 else own[::-1]:
-                if len(own) > 1:
-                    install(name)
-                meter.sync()
-                t = time.perf_counter()
-                step()
-                meter.sync()
-                times[name].append((time.perf_counter() - t) * 1e3)
+
+        def timed_step(name: str) -> float:
+            if len(own) > 1:
+                install(name)
+            meter.sync()
+            t = time.perf_counter()
+            step()
+            meter.sync()
+            return (time.perf_counter() - t) * 1e3
+
+        times = interleaved(own, timed_step, steps)
         if len(own) > 1:
             install(cell.strategy)
         mine = times[cell.strategy]
         nones = times.get("none", mine)
         cell.step_ms = statistics.median(mine)
         cell.none_step_ms = statistics.median(nones)
-        # the median of step-by-step ratios: a clock or load drift over the run cancels out
-        cell.step_time_ratio = statistics.median(a / b for a, b in zip(mine, nones, strict=True))
+        # step-by-step ratios (a clock or load drift over the run cancels out), every one kept
+        # for the spread; the figure is their median
+        cell.step_time_ratios = [a / b for a, b in zip(mine, nones, strict=True)]
+        cell.step_time_ratio = statistics.median(cell.step_time_ratios)
     finally:
         gc.enable()
 

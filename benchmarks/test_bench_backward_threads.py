@@ -3,9 +3,10 @@ bytes of a full-AC step with autograd's device threads (torch's default on CUDA)
 backward kept on the calling thread. On CPU tensors backward always runs on the calling thread,
 so there is nothing to compare there.
 
-The ratio is measured with the two variants interleaved round by round (so clock and thermal
-drift hit both alike) and reported as median(single) / median(multi): above 1 means the single
-thread costs time.
+The ratio is measured with the two variants interleaved round by round (``benchmarks._spread``:
+clock and thermal drift hit both alike) and reported as the median of the round-by-round ratios
+single / multi, every round recorded for its spread: above 1 means the single thread costs
+time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import pytest
 import torch
 
-from benchmarks import _ac
+from benchmarks import _ac, _spread
 from benchmarks._bench import record, timed
 from benchmarks._measure import measure_memory
 
@@ -47,24 +48,41 @@ def _setup() -> _ac.ACSetup:
 
 def interleaved_step_times(setup: _ac.ACSetup, rounds: int = INTERLEAVED_ROUNDS) -> dict:
     steps = {s: _backward(s, setup) for s in STRATEGIES}
-    times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     for _ in range(2):  # warm-up both
         for s in STRATEGIES:
             steps[s](setup.forward())
     torch.cuda.synchronize()
-    for _ in range(rounds):
-        for s in STRATEGIES:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            steps[s](setup.forward())
-            torch.cuda.synchronize()
-            times[s].append(time.perf_counter() - t0)
-    medians = {s: statistics.median(v) for s, v in times.items()}
+
+    def run_one(strategy: str) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps[strategy](setup.forward())
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return thread_figures(_spread.interleaved(STRATEGIES, run_one, rounds))
+
+
+def thread_figures(times: dict[str, list[float]]) -> dict:
+    """Medians, and every round (``*_repeats``); the ratio is the median of the round-by-round
+    ratios single / multi."""
+    ratios = _spread.ratios_to(times, "multithreaded")["single-threaded"]
     return {
-        "step_time_multithreaded_s": medians["multithreaded"],
-        "step_time_single_threaded_s": medians["single-threaded"],
-        "step_time_ratio": medians["single-threaded"] / medians["multithreaded"],
+        "step_time_multithreaded_s": statistics.median(times["multithreaded"]),
+        "step_time_multithreaded_s_repeats": times["multithreaded"],
+        "step_time_single_threaded_s": statistics.median(times["single-threaded"]),
+        "step_time_single_threaded_s_repeats": times["single-threaded"],
+        "step_time_ratio": statistics.median(ratios),
+        "step_time_ratio_repeats": ratios,
     }
+
+
+@pytest.mark.cpu
+def test_the_ratio_is_taken_round_by_round_with_every_round_recorded():
+    figures = thread_figures({"multithreaded": [1.0, 2.0, 4.0], "single-threaded": [1.1, 2.0, 8.0]})
+    assert figures["step_time_ratio_repeats"] == pytest.approx([1.1, 1.0, 2.0])
+    assert figures["step_time_ratio"] == pytest.approx(1.1)
+    assert figures["step_time_single_threaded_s_repeats"] == [1.1, 2.0, 8.0]
 
 
 @pytest.mark.gpu

@@ -7,12 +7,13 @@ alive (every op then has its tensor arguments checked: the slow path); and under
 (``values="none"``). The recompute sanitizer also runs on real megatron-core models (MoE GPT,
 GPT+MTP; ``benchmarks._sanitize_megatron``, one child each): no false positive, and its cost.
 
-The strategies run interleaved round by round (clock and load drift hit all alike). Figures:
-medians (``step_time_s``, ``sanitizer_step_time_ratio`` = strategy / no sanitizer; above 1 means
-the sanitizer costs time) and minima (``step_time_min_s``, ``sanitizer_step_time_min_ratio``:
-on a shared CPU machine the neighbours' load swamps medians, the fastest round of each strategy
-is its cost without interference). Times are not gated (only ``*_bytes`` are); the test below
-the benchmark asserts what must hold whatever the timing: the sanitizers change no gradient.
+The strategies run interleaved round by round (``benchmarks._spread``: clock and load drift hit
+all alike). Figures: ``step_time_s``, the median of the rounds, and
+``sanitizer_step_time_ratio``, the median of the round-by-round ratios strategy / no sanitizer
+(above 1 means the sanitizer costs time), each with every round under ``*_repeats``: on a
+shared machine a ratio means something only with that spread (the dashboard shows it so).
+Times are not gated (only ``*_bytes`` are); the test below the benchmark asserts what must hold
+whatever the timing: the sanitizers change no gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import pytest
 import torch
 
-from benchmarks import _ac
+from benchmarks import _ac, _spread
 from benchmarks._bench import DEVICE_PARAMS, record, timed
 from repro import run_isolated
 
@@ -73,18 +74,29 @@ def _step(setup: _ac.ACSetup, device: str):
 
 
 def interleaved_step_times(setup: _ac.ACSetup, device: str) -> dict[str, list[float]]:
+    """Each strategy's step time per round, the strategies interleaved (benchmarks._spread)."""
     step = _step(setup, device)
-    times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
     for s in STRATEGIES:  # warm-up each
         with _sanitized(s):
             step()
-    for _ in range(ROUNDS[device]):
-        for s in STRATEGIES:
-            with _sanitized(s):
-                t0 = time.perf_counter()
-                step()
-                times[s].append(time.perf_counter() - t0)
-    return times
+
+    def run_one(strategy: str) -> float:
+        with _sanitized(strategy):
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+
+    return _spread.interleaved(STRATEGIES, run_one, ROUNDS[device])
+
+
+def sanitizer_figures(times: dict[str, list[float]], strategy: str) -> dict:
+    """``strategy``'s step time and its ratio to no sanitizer, round by round: the medians, and
+    every round (``*_repeats``) for the spread."""
+    ratios = _spread.ratios_to(times, "none")[strategy]
+    return {"step_time_s": statistics.median(times[strategy]),
+            "step_time_s_repeats": list(times[strategy]),
+            "sanitizer_step_time_ratio": statistics.median(ratios),
+            "sanitizer_step_time_ratio_repeats": ratios}
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -95,13 +107,21 @@ def test_sanitizer_step_time(benchmark, figure_book, device, strategy):
         timed(benchmark, device)(setup.step)
     times = figure_book.get(("sanitizers", device),
                             lambda: interleaved_step_times(_setup(device), device))
-    median = {s: statistics.median(v) for s, v in times.items()}
-    fastest = {s: min(v) for s, v in times.items()}
-    figures = {"step_time_s": median[strategy],
-               "sanitizer_step_time_ratio": median[strategy] / median["none"],
-               "step_time_min_s": fastest[strategy],
-               "sanitizer_step_time_min_ratio": fastest[strategy] / fastest["none"]}
-    record(benchmark, scenario=SCENARIO, strategy=strategy, device=device, figures=figures)
+    record(benchmark, scenario=SCENARIO, strategy=strategy, device=device,
+           figures=sanitizer_figures(times, strategy))
+
+
+@pytest.mark.cpu
+def test_the_figures_are_medians_of_interleaved_rounds_with_every_round_recorded():
+    """The ratio is taken round by round (a drift of the machine's load over the run cancels
+    out), and each round's time and ratio is recorded for the dashboard's spread."""
+    times = {"none": [1.0, 2.0, 1.0, 4.0, 1.0], "storage": [1.1, 2.4, 1.0, 4.2, 3.0]}
+    figures = sanitizer_figures(times, "storage")
+    assert figures["step_time_s_repeats"] == times["storage"]
+    assert figures["sanitizer_step_time_ratio_repeats"] == pytest.approx([1.1, 1.2, 1.0, 1.05, 3.0])
+    assert figures["sanitizer_step_time_ratio"] == pytest.approx(1.1)  # not median / median (2.2)
+    assert figures["step_time_s"] == 2.4
+    assert not any("_min_" in k for k in figures)
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -165,7 +185,9 @@ def test_recompute_sanitizer_on_megatron(benchmark, device, model, size, dtype, 
         assert found["grad_noise"] == 0.0 and found["grad_distance"] == 0.0
     else:
         assert found["grad_distance"] <= found["grad_noise"] * 4 + 1e-12
-    figures = {k: v for k, v in found.items() if k.endswith(("_step_s", "_step_time_ratio"))}
+    figures = {k: v for k, v in found.items()
+               if k.endswith(("_step_s", "_step_time_ratio", "_repeats"))}
+    assert len(found["recompute_step_time_ratio_repeats"]) == steps
     figures.update(ops_compared=found["ops_compared"], regions=found["regions"])
     record(benchmark, scenario=f"recompute-sanitizer/megatron-{model}-{size}-{dtype}",
            strategy="recompute", device=device, figures=figures)

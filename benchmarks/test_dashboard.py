@@ -206,3 +206,80 @@ def test_a_move_beyond_the_tolerance_in_the_same_environment_names_the_commits()
             "environment: the code between 11111111 and 22222222 (git log 11111111..22222222)") in html
     view = _views.scenario_views([OLD, NEW])[0]
     assert view.code_changes(0.05) == []  # 3% is within 5%
+
+
+# --- step times: only with the spread of their repeats ----------------------------------------
+
+SAN = "sanitizers/plain-transformer-full-ac"
+
+
+def san_run(commit, when, ratios_by_strategy, *, repeats=True):
+    import statistics
+
+    return run(commit, when, *(
+        bench(SAN, s, sanitizer_step_time_ratio=statistics.median(r),
+              **({"sanitizer_step_time_ratio_repeats": r} if repeats else {}))
+        for s, r in ratios_by_strategy.items()))
+
+
+NOISY = {"none": [1.0] * 5, "storage-slow-path": [0.61, 0.7, 0.794, 0.9, 1.12]}
+
+
+def test_a_time_ratio_whose_spread_covers_one_is_not_coloured_as_a_gain():
+    html = section(dashboard.render([san_run("6666666666", "2026-11-06T00:00:00", NOISY)]), "cpu", SAN)
+    summary = html.split("</summary>")[0]
+    # the ratio's reference is in the figure (strategy / no sanitizer): the line names none other
+    assert "storage-slow-path, sanitizer_step_time_ratio: " in summary
+    assert "0.794x [0.610x-1.120x], 5 repeats" in summary and "within noise" in summary
+    assert 'class="good"' not in html and 'class="bad"' not in html
+    row = html.split("storage-slow-path</span></td>")[1].split("</tr>")[0]
+    assert "[0.610x-1.120x]" in row and "within noise" in row
+
+
+def test_a_time_ratio_on_one_side_of_one_in_every_repeat_is_coloured():
+    slower = {"none": [1.0] * 5, "storage": [1.02, 1.05, 1.06, 1.08, 1.3]}
+    html = section(dashboard.render([san_run("6666666666", "2026-11-06T00:00:00", slower)]), "cpu", SAN)
+    row = html.split("storage</span></td>")[1].split("</tr>")[0]
+    assert '<span class="bad">1.060x</span>' in row and "above 1 in every repeat" in row
+
+
+def test_a_time_ratio_without_repeats_is_not_shown_as_a_result():
+    html = section(dashboard.render([san_run("6666666666", "2026-11-06T00:00:00", NOISY,
+                                             repeats=False)]), "cpu", SAN)
+    assert "0.794" not in html and "no repeats recorded" in html
+
+
+def test_the_reference_column_is_named_after_the_family():
+    ac = run("7777777777", "2026-11-07T00:00:00",
+             *(bench("activation-checkpoint/plain-transformer", s, peak_bytes=v * MiB)
+               for s, v in (("none", 30), ("full", 20), ("full+mesh_ctx", 20))))
+    html = section(dashboard.render([ac]), "cpu", "activation-checkpoint/plain-transformer")
+    heads = re.findall(r"<th>(vs [^<]+)</th>", html.split("<table>")[1].split("</table>")[0])
+    assert heads[0] == "vs no checkpointing" and "vs no reclaim" not in html
+    reclaim = section(dashboard.render([NEW]), "cpu", SCN)
+    assert "<th>vs no reclaim</th>" in reclaim
+
+
+def test_a_single_run_gets_a_chart_of_its_strategies():
+    html = section(dashboard.render([NEW]), "cpu", SCN)  # one committed run of the scenario
+    assert 'class="bars"' in html and html.count("<svg") >= 1
+    # every strategy has a bar (or says it crashed), labelled with its name
+    bars = html.split('class="bars"')[1].split("</svg>")[0]
+    for s in ("none", "mtp-skip", "ours"):
+        assert f">{s}</text>" in bars
+    assert "crashed (SIGSEGV)" in bars
+
+
+def test_a_time_figure_the_latest_run_lacks_gets_no_empty_table():
+    old = run("5555555555", "2026-11-05T00:00:00", bench(SAN, "none", step_time_min_s=0.1),
+              bench(SAN, "storage", step_time_min_s=0.2))
+    new = san_run("6666666666", "2026-11-06T00:00:00", NOISY)
+    html = section(dashboard.render([old, new]), "cpu", SAN)
+    assert "[step_time_min_s]" not in html and "[sanitizer_step_time_ratio]" in html
+
+
+def test_bar_labels_have_room_for_the_longest_strategy_name():
+    bars = [_svg.Bar("storage+mesh+recompute", 1.0, "#000"), _svg.Bar("none", 1.0, "#000")]
+    svg = _svg.bar_chart(bars, str, lambda lo, hi: [])
+    x = float(re.search(r'<text x="([\d.]+)"[^>]*text-anchor="end"[^>]*>storage\+mesh\+recompute', svg)[1])
+    assert x >= 7 * len("storage+mesh+recompute")

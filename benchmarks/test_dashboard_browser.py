@@ -98,3 +98,29 @@ def test_a_screenshot_of_the_page(page, tmp_path):
     png = tmp_path / "page.png"
     _browser.screenshot(page, png, chromium=CHROMIUM, width=1280, height=900)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+@needs_chromium
+def test_the_screenshot_is_as_tall_as_the_page(tmp_path):
+    """Not a fixed window that cuts the page: the screenshot is the page's own height."""
+    tall = tmp_path / "tall.html"
+    tall.write_text('<!doctype html><html><body style="margin:0">'
+                    '<div style="height:3100px;background:#eee"></div></body></html>')
+    png = tmp_path / "tall.png"
+    _browser.screenshot(tall, png, chromium=CHROMIUM, width=1280)
+    assert png_size(png) == (1280, 3100)
+
+
+@needs_chromium
+def test_the_dashboards_screenshot_shows_all_of_it(page, tmp_path):
+    seen = _browser.visible_check(page, chromium=CHROMIUM, width=1280)
+    png = tmp_path / "page.png"
+    assert dashboard.main([str(p) for p in sorted(page.parent.glob("*.json"))]
+                          + ["-o", str(page), "--baselines", str(tmp_path), "--screenshot", str(png)]) == 0
+    assert png_size(png) == (1280, seen["scroll_height"])

@@ -45,7 +45,11 @@ def baseline_dir(tmp_path):
 
 
 def run_gate(tmp_path, baseline_dir, data, *extra):
-    return gate.main([write(tmp_path / "run.json", data), "--baseline-dir", str(baseline_dir), *extra])
+    # --results-dir: the published runs the gate also checks against (none here unless a test
+    # files one); --readme: the README whose generated blocks --refresh rewrites
+    return gate.main([write(tmp_path / "run.json", data), "--baseline-dir", str(baseline_dir),
+                      "--results-dir", str(tmp_path / "published"),
+                      "--readme", str(tmp_path / "README.md"), *extra])
 
 
 def test_same_figures_pass(tmp_path, baseline_dir, capsys):
@@ -63,20 +67,68 @@ def test_growth_beyond_tolerance_fails_and_names_the_figure(tmp_path, baseline_d
         bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
         bench("reclaim/plain", "ours", peak_bytes=92 * MiB, end_of_backward_bytes=20 * MiB),
     )
-    assert run_gate(tmp_path, baseline_dir, data, "--tolerance", "0.02") == gate.EXIT_REGRESSION
+    assert run_gate(tmp_path, baseline_dir, data, "--tolerance", "0.02") == gate.EXIT_MOVED
     out = capsys.readouterr().out
     assert "REGRESSED: cpu reclaim/plain [ours] peak_bytes grew +2.00 MiB (1.0222x) > tolerance 2.00%" in out
 
 
-def test_growth_within_tolerance_passes_and_shrink_is_reported(tmp_path, baseline_dir, capsys):
+def test_growth_within_tolerance_passes(tmp_path, baseline_dir, capsys):
     data = results(
         bench("reclaim/plain", "none", peak_bytes=int(100 * MiB * (1 + gate.DEFAULT_TOLERANCE / 2)),
-              end_of_backward_bytes=30 * MiB),
+              end_of_backward_bytes=int(40 * MiB * (1 - gate.DEFAULT_TOLERANCE / 2))),
         bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
     )
     assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
+    assert "gate: 4 memory figure(s) within 0.50% of the baseline" in capsys.readouterr().out
+
+
+def test_a_shrink_beyond_tolerance_fails_until_the_baseline_is_refreshed(tmp_path, baseline_dir, capsys):
+    """A figure that shrank no longer describes the code either: the gate fails and names the
+    refresh command; after the refresh the same run passes."""
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=30 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
+    )
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
     out = capsys.readouterr().out
-    assert "improved" in out and "refresh the baseline" in out
+    assert ("SHRANK: cpu reclaim/plain [none] end_of_backward_bytes shrank -10.00 MiB (0.7500x) "
+            "beyond tolerance 0.50%") in out
+    assert "gate: 1 memory figure(s) no longer match the baseline (0 grew, 1 shrank)" in out
+    assert f"python -m benchmarks.gate {tmp_path / 'run.json'} --refresh" in out
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh") == gate.EXIT_OK
+    capsys.readouterr()
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK
+
+
+def test_the_refresh_compares_again_with_the_run_it_filed_before_it_is_committed(
+        tmp_path, baseline_dir, capsys):
+    """In a checkout the published runs are the files git tracks: the run the refresh has just
+    filed is not committed yet, and is still what the README and the dashboard will show."""
+    import subprocess
+
+    published = tmp_path / "published"
+    published.mkdir()
+    subprocess.run(["git", "init", "-q", str(published)], check=True)
+    write(published / "cpu-old.json", results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=40 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
+        commit="aaaaaaaa11"))
+    subprocess.run(["git", "-C", str(published), "add", "cpu-old.json"], check=True)
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=30 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB))
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
+    capsys.readouterr()
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh") == gate.EXIT_OK, capsys.readouterr().out
+
+
+def test_verdicts_are_an_enum():
+    rows = run_from_json(results(bench("s", "a", peak_bytes=100, step_time_ratio=1.0))).rows
+    smaller = run_from_json(results(bench("s", "a", peak_bytes=90, step_time_ratio=2.0))).rows
+    verdicts = {c.metric: c.verdict for c in gate.compare(smaller, rows)}
+    assert verdicts == {"peak_bytes": gate.Verdict.SHRANK, "step_time_ratio": gate.Verdict.INFO}
+    assert {v.value for v in gate.Verdict} == {"ok", "REGRESSED", "SHRANK", "info", "NO BASELINE",
+                                                "NOT RUN"}
 
 
 def test_tolerance_option_changes_the_verdict(tmp_path, baseline_dir):
@@ -84,7 +136,7 @@ def test_tolerance_option_changes_the_verdict(tmp_path, baseline_dir):
         bench("reclaim/plain", "none", peak_bytes=103 * MiB, end_of_backward_bytes=40 * MiB),
         bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB),
     )
-    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_REGRESSION
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
     assert run_gate(tmp_path, baseline_dir, data, "--tolerance", "0.05") == gate.EXIT_OK
 
 
@@ -100,7 +152,8 @@ def test_missing_baseline_file_says_what_to_do(tmp_path, baseline_dir, capsys):
     data = results(bench("reclaim/plain", "ours", kind="gpu-h200", peak_bytes=1))
     assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_INCOMPARABLE
     err = capsys.readouterr().err
-    assert "no baseline for device kind 'gpu-h200'" in err and "gpu-h200.json" in err and "cp " in err
+    assert "no baseline for device kind 'gpu-h200'" in err and "gpu-h200.json" in err
+    assert "python -m benchmarks.gate" in err and "--refresh" in err
 
 
 def test_entry_missing_either_way_fails_unless_allowed(tmp_path, baseline_dir, capsys):
@@ -119,17 +172,18 @@ def test_baseline_is_picked_per_device_kind(tmp_path, baseline_dir, capsys):
     write(baseline_dir / "gpu-h200.json", results(bench("ac/x", "full", kind="gpu-h200", peak_bytes=10 * MiB)))
     cpu = json.loads((baseline_dir / "cpu.json").read_text())["benchmarks"]
     data = results(*cpu, bench("ac/x", "full", kind="gpu-h200", peak_bytes=11 * MiB))
-    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_REGRESSION
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
     out = capsys.readouterr().out
     assert "REGRESSED: gpu-h200 ac/x [full] peak_bytes" in out
     assert "REGRESSED: cpu" not in out
 
 
 def test_explicit_baseline_overrides_the_device_kind(tmp_path, baseline_dir):
-    other = write(tmp_path / "other.json", results(
+    data = results(
         bench("reclaim/plain", "none", peak_bytes=200 * MiB, end_of_backward_bytes=80 * MiB),
-        bench("reclaim/plain", "ours", peak_bytes=180 * MiB, end_of_backward_bytes=40 * MiB)))
-    data = json.loads((baseline_dir / "cpu.json").read_text())
+        bench("reclaim/plain", "ours", peak_bytes=180 * MiB, end_of_backward_bytes=40 * MiB))
+    other = write(tmp_path / "other.json", data)
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
     assert run_gate(tmp_path, baseline_dir, data, "--baseline", other) == gate.EXIT_OK
 
 
@@ -182,9 +236,12 @@ def test_markdown_report_for_a_pull_request_comment(tmp_path, baseline_dir):
         bench("reclaim/plain", "none", peak_bytes=110 * MiB, end_of_backward_bytes=40 * MiB),
         bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB)))
     md = tmp_path / "gate.md"
-    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--markdown", str(md)]) == 1
+    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--results-dir", str(tmp_path / "none"),
+                      "--markdown", str(md)]) == 1
     text = md.read_text()
-    assert text.splitlines()[0].startswith("### Peak-memory gate: 1 figure(s) REGRESSED beyond 0.50%")
+    assert text.splitlines()[0].startswith(
+        "### Peak-memory gate: 1 memory figure(s) no longer match the baseline beyond 0.50% "
+        "(1 grew, 0 shrank)")
     # the figures that moved are in the first table, every memory figure in the folded one
     moved = text.split("<details>")[0]
     assert "| cpu | reclaim/plain | none | peak_bytes | 100.00 MiB | 110.00 MiB | +10.00 MiB (+10.00%) | REGRESSED |" in moved
@@ -195,5 +252,76 @@ def test_markdown_report_for_a_pull_request_comment(tmp_path, baseline_dir):
 def test_markdown_report_when_everything_holds(tmp_path, baseline_dir):
     run = write(tmp_path / "run.json", json.loads((baseline_dir / "cpu.json").read_text()))
     md = tmp_path / "gate.md"
-    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--markdown", str(md)]) == 0
+    assert gate.main([run, "--baseline-dir", str(baseline_dir), "--results-dir", str(tmp_path / "none"),
+                      "--markdown", str(md)]) == 0
     assert md.read_text().startswith("### Peak-memory gate: all 4 memory figure(s) within 0.50%")
+
+
+# --- refreshing the baseline, and the figures the README and the dashboard show ---------------
+
+
+def test_refresh_replaces_only_the_rows_that_moved_and_names_their_commit(tmp_path, baseline_dir, capsys):
+    before = json.loads((baseline_dir / "cpu.json").read_text())
+    data = results(
+        bench("reclaim/plain", "none", peak_bytes=100 * MiB, end_of_backward_bytes=30 * MiB),
+        bench("reclaim/plain", "ours", peak_bytes=90 * MiB, end_of_backward_bytes=20 * MiB,
+              recompute_flops=2e9),  # FLOPs are not gated: no reason to refresh this row
+        bench("reclaim/new", "ours", peak_bytes=5 * MiB),  # no baseline entry yet
+        commit="fedcba9876543210")
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh") == gate.EXIT_OK
+    out = capsys.readouterr().out
+    assert f"refresh: {baseline_dir / 'cpu.json'}: 2 row(s) from fedcba98 (1 replaced, 1 added)" in out
+    after = json.loads((baseline_dir / "cpu.json").read_text())["benchmarks"]
+    assert after[1] == before["benchmarks"][1]  # ours did not move: untouched, byte for byte
+    none = after[0]
+    assert none["extra_info"]["end_of_backward_bytes"] == 30 * MiB
+    assert none["measured"] == {"commit": "fedcba9876543210", "dirty": False,
+                                "datetime": "2026-11-30T09:00:00", "file": "cpu-20261130T0900-fedcba98.json"}
+    assert after[2]["extra_info"]["scenario"] == "reclaim/new"
+    rows = {r.key: r for r in gate.load_run(baseline_dir / "cpu.json").rows}
+    assert rows[("cpu", "reclaim/plain", "none")].commit == "fedcba9876543210"
+    assert rows[("cpu", "reclaim/plain", "ours")].commit == "0123456789abcdef"  # the file's own
+    # the run is filed with the published runs, under its kind, date and commit
+    assert (tmp_path / "published" / "cpu-20261130T0900-fedcba98.json").is_file()
+
+
+@pytest.mark.parametrize("commit_info, why", [({"id": "abc", "dirty": True}, "dirty tree"),
+                                              ({"id": "unknown"}, "could not name its commit")])
+def test_refresh_refuses_a_run_that_names_no_commit(tmp_path, baseline_dir, capsys, commit_info, why):
+    data = results(bench("reclaim/plain", "none", peak_bytes=1))
+    data["commit_info"] = commit_info
+    before = (baseline_dir / "cpu.json").read_text()
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh") == gate.EXIT_INCOMPARABLE
+    assert why in capsys.readouterr().err
+    assert (baseline_dir / "cpu.json").read_text() == before
+
+
+def test_refresh_rewrites_the_readme_block_from_the_filed_run(tmp_path, baseline_dir, capsys):
+    from benchmarks import headline
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"prose 1\n{headline.README_BEGIN}\nstale table\n{headline.README_END}\nprose 2\n")
+    data = results(bench("recompute-reclaim/plain", "none", peak_bytes=28 * MiB, end_of_backward_bytes=23 * MiB),
+                   bench("recompute-reclaim/plain", "ours", peak_bytes=25 * MiB, end_of_backward_bytes=19 * MiB))
+    assert run_gate(tmp_path, baseline_dir, data, "--refresh", "--allow-missing") == gate.EXIT_OK
+    text = readme.read_text()
+    assert text.startswith("prose 1\n") and text.endswith("prose 2\n") and "stale table" not in text
+    assert "| checkpointed stack, no aliasing | cpu | peak | 28.00 | not run | not run | 25.00 |" in text
+    assert f"refresh: {readme}: generated blocks rewritten" in capsys.readouterr().out
+
+
+def test_a_published_figure_that_no_longer_matches_fails_the_gate(tmp_path, baseline_dir, capsys):
+    """The README and the dashboard show the latest committed run of each scenario: a run whose
+    figure differs from it fails, even where the baseline agrees with the run."""
+    published = tmp_path / "published"
+    published.mkdir()
+    old = results(bench("reclaim/plain", "ours", peak_bytes=91 * MiB), commit="aaaaaaaa11")
+    write(published / "cpu-old.json", old)
+    data = json.loads((baseline_dir / "cpu.json").read_text())
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_MOVED
+    out = capsys.readouterr().out
+    assert ("PUBLISHED: cpu reclaim/plain [ours] peak_bytes: the README and the dashboard show "
+            "91.00 MiB (run aaaaaaaa, cpu-old.json), this run measures 90.00 MiB") in out
+    assert "refresh" in out
+    write(published / "cpu-old.json", results(bench("reclaim/plain", "ours", peak_bytes=90 * MiB)))
+    assert run_gate(tmp_path, baseline_dir, data) == gate.EXIT_OK

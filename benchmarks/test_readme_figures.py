@@ -1,0 +1,63 @@
+"""README.md's figure table is generated from the committed runs (``python -m benchmarks.headline
+--readme README.md``, also run by ``python -m benchmarks.gate RESULTS.json --refresh``): the
+committed README holds exactly what the generator gives today, and the generator touches
+nothing outside its markers."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import headline
+
+pytestmark = pytest.mark.cpu
+
+
+def test_the_readmes_figure_table_is_what_the_committed_runs_give(capsys):
+    assert headline.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def readme(tmp_path, block="stale table"):
+    path = tmp_path / "README.md"
+    path.write_text(f"# title\nprose\n{headline.README_BEGIN}\n{block}\n{headline.README_END}\nmore\n")
+    return path
+
+
+def test_check_fails_and_writes_nothing_when_the_block_differs(tmp_path, capsys):
+    path = readme(tmp_path)
+    before = path.read_text()
+    assert headline.main(["--readme", str(path), "--check"]) == 1
+    assert "regenerate it: python -m benchmarks.headline --readme" in capsys.readouterr().err
+    assert path.read_text() == before
+
+
+def test_the_generator_rewrites_only_its_block(tmp_path):
+    path = readme(tmp_path)
+    assert headline.main(["--readme", str(path)]) == 0
+    text = path.read_text()
+    assert text.startswith(f"# title\nprose\n{headline.README_BEGIN}\n| what | device |")
+    assert text.endswith(f"{headline.README_END}\nmore\n") and "stale table" not in text
+    assert headline.main(["--readme", str(path), "--check"]) == 0
+
+
+def test_a_readme_without_markers_is_an_error(tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text("no markers\n")
+    assert headline.main(["--readme", str(path), "--check"]) == 2
+    assert "no '<!-- headline:begin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu-h200"])
+def test_the_committed_baseline_matches_the_published_figures(kind):
+    """The baseline the gate compares with and the figures the README and the dashboard show
+    (the latest committed run of each scenario) are the same figures: a baseline refreshed
+    without filing its run, or a run filed without refreshing, fails here."""
+    from benchmarks._baseline import baseline_path_for
+    from benchmarks._published import published_rows, published_runs
+    from benchmarks._results import load_run
+    from benchmarks._verdict import Verdict, compare
+
+    shown = published_rows(published_runs(), [kind])
+    differ = [f"{c.scenario} [{c.strategy}] {c.metric}: published {c.now}, baseline {c.baseline}"
+              for c in compare(shown, load_run(baseline_path_for(kind)).rows)
+              if c.verdict not in (Verdict.OK, Verdict.INFO)]
+    assert not differ, "\n".join(differ)
