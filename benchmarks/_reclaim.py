@@ -154,7 +154,8 @@ def build(variant: str, strategy: str, device: torch.device) -> ReclaimSetup:
     """The model for ``variant`` with ``strategy``'s reclaim installed on megatron-core's
     CheckpointFunction (``uninstall()`` after use)."""
     check(variant, strategy)
-    from repro.shared_view_reclaim import install_reclaim, setup_megatron
+    from repro.harness.megatron_world import setup_megatron
+    from repro.reclaims import install_reclaim
 
     setup_megatron(device.type)
     install_reclaim(_INSTALL[strategy])
@@ -173,7 +174,7 @@ def build(variant: str, strategy: str, device: torch.device) -> ReclaimSetup:
 
 
 def uninstall() -> None:
-    from repro.shared_view_reclaim import install_reclaim
+    from repro.reclaims import install_reclaim
 
     install_reclaim("none")
 

@@ -38,7 +38,7 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     import torch
 
     from benchmarks.megatron_scale import _build
-    from repro.shared_view_reclaim import setup_megatron
+    from repro.harness.megatron_world import setup_megatron
 
     setup_megatron(device)
     if device == "cpu":

@@ -366,7 +366,8 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
     dtype."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
-    from repro.shared_view_reclaim import install_reclaim, setup_megatron
+    from repro.harness.megatron_world import setup_megatron
+    from repro.reclaims import install_reclaim
 
     setup_megatron(device, expert_parallel=ep)
     if device == "cpu":

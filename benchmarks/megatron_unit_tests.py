@@ -58,7 +58,7 @@ def pytest_configure(config):
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from fixes.megatron.reclaim import installed_reclaim
-    from repro.shared_view_reclaim import install_reclaim
+    from repro.reclaims import install_reclaim
 
     install_reclaim(name, CheckpointFunction)
     print(f"stackfix reclaim for this session: {name} (installed: "

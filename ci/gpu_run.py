@@ -81,17 +81,36 @@ def _steps(out: str) -> dict[str, list[Step]]:
             PY, "-m", "benchmarks.megatron_unit_tests", "--tests", MEGATRON_TESTS,
             "--reclaims", "none,ours,verl-0.8.0,verl-0.9.1", "--timeout", "300",
             "--json", o("megatron-unit-tests.json")], 560, json="megatron-unit-tests.json")],
-        # the recompute sanitizer on the real models: no false alarm, its cost per mode
-        "sanitizer": [Step("bench-gpu-sanitize", [
-            *PYTEST, "benchmarks/test_bench_sanitize.py", "tests/test_sanitize_recompute_gpu.py",
-            "-m", "gpu", "-p", "no:xdist", "-s", f"--benchmark-json={o('bench-gpu-sanitize.json')}"],
-            420, json="bench-gpu-sanitize.json")],
+        # the recompute sanitizer on the real models: no false alarm, its cost per mode; its
+        # host time per op next to a pass-through dispatch mode's
+        "sanitizer": [
+            Step("bench-gpu-sanitize", [
+                *PYTEST, "benchmarks/test_bench_sanitize.py",
+                "tests/test_sanitize_recompute_gpu.py", "-m", "gpu", "-p", "no:xdist", "-s",
+                f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 420,
+                json="bench-gpu-sanitize.json"),
+            Step("sanitizer-per-op-cuda", [
+                PY, "-m", "benchmarks.sanitizer_per_op", "--device", "cuda", "--json",
+                o("sanitizer-per-op-cuda.json")], 120, json="sanitizer-per-op-cuda.json")],
+        # two GPUs (kind nvidia-h200-x2): the MoE GPT with its experts over two NCCL ranks, the
+        # bench's cells and the CLI's step times; the suite's and the repros' two-rank tests
+        # run in "suite" and "repro" once two GPUs are there
+        "two-gpu": [
+            Step("bench-megatron-scale-ep2", [
+                *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", "ep2",
+                "-p", "no:xdist", f"--benchmark-json={o('bench-megatron-scale-ep2.json')}"], 420,
+                json="bench-megatron-scale-ep2.json"),
+            Step("megatron-scale-ep2", [
+                PY, "-m", "benchmarks.megatron_scale", "--device", "cuda", "--models", "moe",
+                "--ep", "2", "--strategies", "none,verl-0.8.0,ours", "--sizes",
+                "1024x2048,2048x4096", "--dtypes", "fp32,bf16", "--steps", "20", "--out",
+                o("megatron-scale-ep2.json")], 420, json="megatron-scale-ep2.json")],
         "bench": [Step("bench-gpu", [*PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist",
                                      f"--benchmark-json={o('bench-gpu.json')}"], 540,
                        json="bench-gpu.json")],
         # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
         "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
-                             env={"STACKFIX_EVIDENCE": out})],
+                             env={"EVIDENCE": out})],
         # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
         # threads; the CPU suite on the GPU host
         "child-phases": [Step("child-phases-cuda", [

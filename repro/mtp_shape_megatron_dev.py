@@ -71,7 +71,7 @@ def setup_dev_megatron(device: str) -> None:
     )
 
     use_megatron_lm_checkout()  # Skipped when STACKFIX_MEGATRON_LM is unset
-    from repro.shared_view_reclaim import setup_megatron
+    from repro.harness.megatron_world import setup_megatron
 
     setup_megatron(device)
     if device == "cpu":

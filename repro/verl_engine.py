@@ -362,7 +362,7 @@ def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: 
     if reclaim == "none":
         from megatron.core.tensor_parallel.random import CheckpointFunction
 
-        from repro.shared_view_reclaim import install_reclaim
+        from repro.reclaims import install_reclaim
 
         install_reclaim("none", CheckpointFunction)  # megatron-core's own backward again
     got["installed_for_steps"] = installed_reclaim()

@@ -50,9 +50,9 @@ from types import SimpleNamespace
 
 import torch
 
+from repro.harness.leaks import storage_gone
+
 SCENARIOS = ("reclaim", "reclaim-late", "ray", "torchtitan-engine", "mtp-import", "mtp-dev")
-VERL_PATCH = "verl.models.mcore.patch"
-VERL_FUNCTION = "apply_patch_megatron_recomputation_backward"
 
 
 def _report(**fields) -> None:
@@ -75,26 +75,6 @@ def _installed_reclaim() -> str | None:
 # --- crash 2 ------------------------------------------------------------------------------------
 
 
-def _storage_freed(ref: int) -> bool:
-    """The storage behind weak reference ``ref`` is gone, or has no bytes left."""
-    if torch.UntypedStorage._expired(ref):
-        return True
-    return torch.UntypedStorage._new_with_weak_ptr(ref).nbytes() == 0
-
-
-def _shared_view_step(model, x, checkpoint, make_viewless) -> int:
-    """``repro.shared_view_reclaim.shared_view_step``, returning a weak reference to the storage
-    of the decoder output whose chunk view is the MTP checkpoint's input."""
-    h = model.proj(x)
-    ref = h.untyped_storage()._weak_ref()
-    contract = h * model.mix
-    part = make_viewless(torch.chunk(h, 2, dim=-1)[1])
-    mtp = checkpoint(model.mtp, part)
-    del h, part
-    (contract.sum() + mtp.square().mean()).backward()
-    return ref
-
-
 @dataclass
 class SharedViewCase:
     """The shared-view graph on megatron-core, its no-reclaim reference already taken."""
@@ -113,12 +93,13 @@ def shared_view_case(device: str) -> SharedViewCase:
     own backward (no reclaim) for the reference grads. Call before any reclaim is installed."""
     from megatron.core.utils import make_viewless_tensor
 
+    from repro.harness.megatron_world import setup_megatron
+    from repro.mtp_checkpoints import megatron_mtp_checkpoint
     from repro.shared_view_reclaim import (
         SharedViewConfig,
         SharedViewModel,
-        _grads,
-        megatron_mtp_checkpoint,
-        setup_megatron,
+        parameter_grads,
+        shared_view_step,
     )
 
     setup_megatron(device)
@@ -133,8 +114,8 @@ def shared_view_case(device: str) -> SharedViewCase:
     # bound-method: megatron-core 0.16.1's MTP checkpoint; verl 0.9.1's MTP skip misses it
     case = SharedViewCase(device, model, x, megatron_mtp_checkpoint("bound-method"),
                           make_viewless, {}, False)
-    ref = _shared_view_step(model, x, case.checkpoint, make_viewless)
-    case.reference, case.leaked_without_reclaim = _grads(model), not _storage_freed(ref)
+    ref = shared_view_step(model, x, case.checkpoint, make_viewless)
+    case.reference, case.leaked_without_reclaim = parameter_grads(model), not storage_gone(ref)
     model.zero_grad(set_to_none=True)
     model.mtp.leak.clear()
     return case
@@ -143,14 +124,14 @@ def shared_view_case(device: str) -> SharedViewCase:
 def shared_view_check(case: SharedViewCase) -> dict:
     """One step with whatever reclaim is installed (unfixed: SIGSEGV on CPU, an illegal memory
     access on CUDA); WrongResult if the grads differ from the reference."""
-    from repro.shared_view_reclaim import _check_against_reference, _grads
+    from repro.shared_view_reclaim import check_grads_equal, parameter_grads, shared_view_step
 
-    ref = _shared_view_step(case.model, case.x, case.checkpoint, case.make_viewless)
+    ref = shared_view_step(case.model, case.x, case.checkpoint, case.make_viewless)
     if case.device == "cuda":
         torch.cuda.synchronize()  # an asynchronous CUDA fault surfaces here
-    _check_against_reference(_grads(case.model), case.reference)
+    check_grads_equal(parameter_grads(case.model), case.reference)
     return {"grads_equal": True, "leaked_without_reclaim": case.leaked_without_reclaim,
-            "freed": _storage_freed(ref)}
+            "freed": storage_gone(ref)}
 
 
 def _reclaim_scenario(late: bool) -> None:

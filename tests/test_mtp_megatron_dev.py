@@ -99,7 +99,7 @@ def test_dev_local_spec_cannot_backprop_mhc_mtp_without_the_workaround(device):
     result = _child(f"""
         from repro.harness.megatron_lm import use_megatron_lm_checkout
         use_megatron_lm_checkout()
-        from repro.shared_view_reclaim import setup_megatron
+        from repro.harness.megatron_world import setup_megatron
         setup_megatron({device!r})
         if {device!r} == "cpu":
             from fixes.testing.megatron_cpu import install_megatron_cpu_shims

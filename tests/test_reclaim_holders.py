@@ -59,12 +59,6 @@ def _step(layer, retain_graph=False):
     return h, out, weak
 
 
-def _released(weak) -> bool:
-    if torch.UntypedStorage._expired(weak):
-        return True
-    return torch.UntypedStorage._new_with_weak_ptr(weak).nbytes() == 0
-
-
 @pytest.fixture
 def patched():
     apply_recompute_reclaim_patch(TARGET)
@@ -328,7 +322,8 @@ def test_retain_graph_a_second_backward_recomputes_from_the_untouched_input():
         import torch, torch.utils.checkpoint as tcp
         from fixes.megatron import apply_recompute_reclaim_patch, recompute_reclaim_events
         from repro.harness.leaks import ModuleStateLeak
-        from tests.test_reclaim_holders import _Layer, _released, _step
+        from tests.test_reclaim_holders import _Layer, _step
+        from repro.harness.leaks import storage_gone
         leak = ModuleStateLeak()
         layer = lambda: _Layer(lambda t, out: leak.keep(out))
         h_ref, out_ref, _ = _step(layer(), retain_graph=True)
@@ -341,7 +336,7 @@ def test_retain_graph_a_second_backward_recomputes_from_the_untouched_input():
         assert torch.equal(h.grad, h_ref.grad)
         del out
         leak.clear()
-        assert _released(weak)
+        assert storage_gone(weak)
         print("EVENTS", [e.action.value for e in events])
     """)
     res = run_isolated(code=code, timeout=120, forkserver=True)

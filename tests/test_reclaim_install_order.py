@@ -125,9 +125,11 @@ def _verl_order_child(version: str, device: str, order: str):
         from megatron.core.utils import make_viewless_tensor
         from fixes.megatron import apply_recompute_reclaim_patch, recompute_reclaim_events
         from fixes.megatron.reclaim import installed_reclaim
-        from repro.shared_view_reclaim import (SharedViewConfig, SharedViewModel,
-            install_verl_reclaim, megatron_mtp_checkpoint, setup_megatron, shared_view_step,
-            storage_gone)
+        from repro.harness.leaks import storage_gone
+        from repro.harness.megatron_world import setup_megatron
+        from repro.mtp_checkpoints import megatron_mtp_checkpoint
+        from repro.reclaims import install_verl_reclaim
+        from repro.shared_view_reclaim import SharedViewConfig, SharedViewModel, shared_view_step
         import torch
         setup_megatron({device!r})
         for step in {order!r}.split(","):

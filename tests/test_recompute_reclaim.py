@@ -44,8 +44,9 @@ from fixes.megatron import (
     remove_recompute_reclaim_patch,
 )
 from repro import run_isolated
-from repro.harness.leaks import ModuleStateLeak, PythonCycle
-from repro.shared_view_reclaim import ViewlessAlias, install_reclaim, storage_gone
+from repro.harness.leaks import ModuleStateLeak, PythonCycle, storage_gone
+from repro.reclaims import install_reclaim
+from repro.shared_view_reclaim import ViewlessAlias
 from repro.verl_release import missing_release
 
 TARGET = tcp.CheckpointFunction
@@ -569,19 +570,20 @@ def _need_verl(version: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", [False, True], ids=["verl-0.8.0", "ours"])
-def test_megatron_gpt_mtp_finding_chunked_mtp_input_is_not_read_after_its_backward(fixed):
+@pytest.mark.parametrize("reclaim", ["verl-0.8.0", "ours"])
+def test_megatron_gpt_mtp_finding_chunked_mtp_input_is_not_read_after_its_backward(reclaim):
     """A recorded finding, kept under test (H200, megatron-core 0.19.2, 2026-11-30): a real
     GPT + MTP (local spec, full recompute) feeds the MTP layer a viewless torch.chunk of the
     decoder output, yet verl 0.8.0's reclaim does NOT crash it and the grads equal the
-    no-reclaim run: nothing reads that storage after the MTP checkpoint's backward. If a
-    megatron-core release makes verl's path fail here, promote it to a repro."""
+    no-reclaim run, bitwise: nothing reads that storage after the MTP checkpoint's backward.
+    If a megatron-core release makes verl's path fail here, promote it to a repro."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     _need_verl("0.8.0")
     code = (
-        "from repro.shared_view_reclaim import run_megatron_mtp\n"
-        f"run_megatron_mtp({fixed}, 'cuda')\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import megatron_grad_parity\n"
+        f"print('PARITY', megatron_grad_parity.parity('gpt-mtp', 'fp32', {reclaim!r}, 'cuda'))\n"
     )
     r = run_isolated(code=code, timeout=300, cwd=str(Path(__file__).parent.parent))
     assert r.ok, f"{r.describe()}\n{r.stderr[-3000:]}"
-    assert "reclaim events:" in r.stdout
+    assert "PARITY bitwise (" in r.stdout, r.stdout[-2000:]

@@ -171,7 +171,7 @@ import json, sys, tempfile
 from pathlib import Path
 import torch
 from repro import verl_engine as ve
-from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim, install_megatron_cpu_rng_shim
+from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim, install_megatron_cpu_rng_shim
 from repro.harness.mbridge_local_spec import use_local_spec_in_mbridge
 
 kind, root = sys.argv[1], Path(sys.argv[2])

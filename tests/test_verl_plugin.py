@@ -438,7 +438,7 @@ got["installed"] = installed_reclaim()
 # The real megatron-core MoE GPT (8 experts, allgather, 4 layers, full recompute, fp32,
 # H=1024 S=2048), the reclaim installed by verl's function above, then with none.
 from benchmarks.megatron_scale import MIB, Cell, _measure
-from repro.shared_view_reclaim import install_reclaim
+from repro.reclaims import install_reclaim
 from megatron.core.tensor_parallel.random import CheckpointFunction
 moe = {}
 # A discarded first measurement: the process's one-time CUDA allocations (cuBLAS workspace,

@@ -36,7 +36,8 @@ def test_install_reclaim_installs_the_released_function_and_none_restores(versio
     _need(version)
     r = _child(f"""
         from megatron.core.tensor_parallel.random import CheckpointFunction
-        from repro.shared_view_reclaim import install_reclaim, setup_megatron
+        from repro.harness.megatron_world import setup_megatron
+        from repro.reclaims import install_reclaim
         setup_megatron("cpu")
         original = CheckpointFunction.__dict__["backward"]
         install_reclaim("verl-{version}")
@@ -69,8 +70,10 @@ def test_which_mtp_checkpoints_verl_frees(version, device):
     _need(version)
     r = _child(f"""
         import json, torch
-        from repro.shared_view_reclaim import (MultiTokenPredictionLayer, install_reclaim,
-                                               megatron_mtp_checkpoint, setup_megatron)
+        from repro.harness.megatron_world import setup_megatron
+        from repro.mtp_checkpoints import megatron_mtp_checkpoint
+        from repro.reclaims import install_reclaim
+        from repro.shared_view_reclaim import MultiTokenPredictionLayer
         setup_megatron({device!r})
         install_reclaim("verl-{version}")
         freed = {{}}
@@ -100,7 +103,8 @@ def real_mtp_block_scenario(device: str) -> None:
     from megatron.core.transformer import multi_token_prediction as mtp_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from repro.shared_view_reclaim import install_reclaim, setup_megatron
+    from repro.harness.megatron_world import setup_megatron
+    from repro.reclaims import install_reclaim
 
     setup_megatron(device)
     if device == "cpu":

@@ -8,7 +8,8 @@ held by the graph, not by any Python name. verl's reclaim (verl #5251) frees the
 
 ``ModuleStateLeak`` is that mechanism; ``PythonCycle`` is the other shape a leak can take (an
 unreachable reference cycle holding the detached input itself), which only the cycle
-collector frees.
+collector frees. ``storage_gone`` tells, through a weak reference, whether a storage's memory
+went (freed, or shrunk to nothing by a ``resize_(0)``) without reading it.
 """
 
 from __future__ import annotations
@@ -35,3 +36,11 @@ class PythonCycle:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.me, self.t = self, t
+
+
+def storage_gone(weak_storage: int) -> bool:
+    """Has the storage behind ``weak_storage`` (``UntypedStorage._weak_ref()``) been freed, or
+    shrunk to nothing?"""
+    if torch.UntypedStorage._expired(weak_storage):
+        return True
+    return torch.UntypedStorage._new_with_weak_ptr(weak_storage).nbytes() == 0
