@@ -10,7 +10,7 @@ Exit status:
   2  bad arguments (unknown repro or device, CUDA asked for but absent, --json not writable)
      or a bad STACKFIX_* variable (repro.harness.environment)
   3  nothing bad, but a repro named with --only was skipped (with --strict: any repro that
-     has a variant for this device was skipped)
+     has a variant for this device was skipped, but those named with --allow-skip)
 """
 
 from __future__ import annotations
@@ -96,14 +96,15 @@ def summary(outcomes: list[ReproOutcome]) -> str:
     return text
 
 
-def exit_status(outcomes: list[ReproOutcome], asked: list[str], strict: bool) -> int:
+def exit_status(outcomes: list[ReproOutcome], asked: list[str], strict: bool,
+                allowed: tuple[str, ...] = ()) -> int:
     if any(o.status == "bad" for o in outcomes):
         return 1
     for o in outcomes:
         if o.status != "skipped":
             continue
         no_variant = o.unfixed.detail == f"no {o.device} variant"
-        if o.name in asked or (strict and not no_variant):
+        if o.name in asked or (strict and not no_variant and o.name not in allowed):
             return 3
     return 0
 
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every outcome, messages whole, as JSON")
     parser.add_argument("--strict", action="store_true",
                         help="exit 3 when any repro with a variant for this device was skipped")
+    parser.add_argument("--allow-skip", action="append", default=[], metavar="NAME",
+                        help="with --strict: NAME may skip (repeatable; e.g. the repros that "
+                        "need a Megatron-LM checkout where none can be had)")
     parser.add_argument("--sanitize", action="store_true",
                         help="run every path (and the ranks it starts) under the fixes.sanitize "
                         "sanitizers the repro declares (storage and mesh unless it names "
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     repros = catalog.load()
     names = args.only or list(repros)
-    unknown = [n for n in names if n not in repros]
+    unknown = [n for n in [*names, *args.allow_skip] if n not in repros]
     if unknown:
         print(f"error: unknown repro {', '.join(map(repr, unknown))}; known: {', '.join(repros)}",
               file=sys.stderr)
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([o.as_dict() for o in outcomes], f, indent=2)
-    return exit_status(outcomes, args.only or [], args.strict)
+    return exit_status(outcomes, args.only or [], args.strict, tuple(args.allow_skip))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,9 @@ def test_outcome_status_and_exit_codes():
     assert exit_status([good, missing], asked=[], strict=True) == 3
     assert exit_status([novariant], asked=["b"], strict=False) == 3
     assert exit_status([missing, bad], asked=["c"], strict=False) == 1
+    # --allow-skip: under --strict, only the repros named may skip
+    assert exit_status([good, missing], asked=[], strict=True, allowed=("c",)) == 0
+    assert exit_status([good, missing, half], asked=[], strict=True, allowed=("c",)) == 3
     text = summary([good, novariant, bad])
     assert text.startswith("1 good, 1 bad, 1 skipped") and "  b: no cpu variant" in text
 

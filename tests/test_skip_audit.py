@@ -114,3 +114,16 @@ def test_every_tox_env_that_runs_pytest_audits_its_skips():
     for env, line in audited.items():
         assert f"-p {skip_audit.__name__} --skip-audit={env}" in line, (env, line)
         assert env in skip_audit.ALLOWED
+
+
+@pytest.mark.parametrize(("reason", "allowed"), [
+    ("torchtitan is not installed (No module named 'torchtitan')", True),
+    ("torchtitan not installed", True),
+    ("mesh-recompute-verl091-init-thread needs torchtitan (not installed)", True),
+    ("torchtitan.models does not import here: No module named 'triton'", False),
+    ("torchtitan's engine raised RuntimeError: broken", False),
+])
+def test_the_gpu_env_allows_exactly_torchtitan_not_being_installed(reason, allowed):
+    # Before: any reason mentioning torchtitan passed the gpu and vllm envs' audits.
+    audit = skip_audit._Audit("gpu")
+    assert bool(audit.allowed.search(reason)) is allowed, reason

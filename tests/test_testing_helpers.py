@@ -123,3 +123,16 @@ def test_a_projects_own_declaration_of_the_markers_is_kept(pytester):
     markers = pytester.runpytest_subprocess(*_plugin_args(), "--markers").stdout.str()
     assert "@pytest.mark.cpu: our own meaning of cpu" in markers
     assert markers.count("@pytest.mark.cpu:") == 1 and "@pytest.mark.gpu: needs CUDA" in markers
+
+
+def test_an_installed_megatron_that_fails_to_import_is_an_error_not_a_skip(pytester):
+    # Before: the fixture's importorskip turned a broken megatron-core into a skip of every test
+    # that used it, in users' suites as in ours.
+    pytester.mkpydir("megatron")
+    pytester.mkpydir("megatron/core")
+    pytester.path.joinpath("megatron", "core", "__init__.py").write_text(
+        "raise RuntimeError('megatron-core broken at import')\n")
+    pytester.makepyfile(test_user="def test_uses_megatron(megatron_cpu):\n    pass\n")
+    result = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(errors=1)
+    assert "megatron-core broken at import" in result.stdout.str()

@@ -5,7 +5,9 @@ The markers ``cpu`` (runs on any machine) and ``gpu`` (needs CUDA) are registere
 marked as stackfix's own are accepted under ``--strict-markers``; a project that declares
 either marker itself keeps its own declaration. Nothing is skipped or selected by them here.
 
-Fixtures, each skipping its test when megatron-core is not installed:
+Fixtures, each skipping its test when megatron-core is not installed (a megatron-core that is
+installed but fails to import is an error of the test, not a skip: a broken install must not
+turn a suite into skips):
 
 - ``megatron_cpu``: ``fixes.testing.megatron_on_cpu()`` around the test; yields
   ``megatron.core.tensor_parallel``;
@@ -18,6 +20,9 @@ environment with stackfix installed.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 import pytest
 
@@ -37,7 +42,9 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def megatron_cpu():
     """megatron-core's checkpointing on CPU for this test; yields megatron.core.tensor_parallel."""
-    tensor_parallel = pytest.importorskip("megatron.core.tensor_parallel")
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed")
+    tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
     with megatron_on_cpu():
         yield tensor_parallel
 

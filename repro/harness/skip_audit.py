@@ -21,7 +21,13 @@ NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is (not set|unset)"
 # tests/test_verl_plugin.py outside tox's verl envs (they install verl with its dependencies)
 NO_VERL_INSTALL = r"verl is not installed in this environment"
 NO_VLLM = r"vLLM not installed|vllm is not installed"
-NO_TORCHTITAN = r"torchtitan"  # not installed, or its models need a newer torch (torch 2.11)
+# torchtitan not installed (the gpu env: its models need torch >= 2.12, the runner's is older),
+# in each way a test or repro says so -- exactly, not any reason that mentions torchtitan
+NO_TORCHTITAN = (r"^torchtitan is not installed( \(No module named 'torchtitan'\)"
+                 r"| \(extra 'torchtitan'\))?$"
+                 r"|^torchtitan not installed$"
+                 r"|^[\w-]+ needs torchtitan \(not installed\)$"
+                 r"|^[\w-]+: missing torchtitan$")
 NO_TORCH_REMAT = r"torch[-_]remat"
 NO_TRITON = r"triton is not installed"  # CUDA torch wheels bring it; the gpu env does not
 NO_FORK_SERVER = r"fork server unavailable here"
