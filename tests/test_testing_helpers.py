@@ -130,9 +130,10 @@ def test_an_installed_megatron_that_fails_to_import_is_an_error_not_a_skip(pytes
     # that used it, in users' suites as in ours.
     pytester.mkpydir("megatron")
     pytester.mkpydir("megatron/core")
+    # what a broken install looks like: one of its dependencies is missing
     pytester.path.joinpath("megatron", "core", "__init__.py").write_text(
-        "raise RuntimeError('megatron-core broken at import')\n")
+        "import stackfix_no_such_megatron_dependency\n")
     pytester.makepyfile(test_user="def test_uses_megatron(megatron_cpu):\n    pass\n")
     result = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", "-q")
     result.assert_outcomes(errors=1)
-    assert "megatron-core broken at import" in result.stdout.str()
+    assert "No module named 'stackfix_no_such_megatron_dependency'" in result.stdout.str()
