@@ -76,8 +76,8 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
 # Schema names of returns that carry an op's RNG state or scratch, not its result.
 _STATE_RETURNS = ("philox", "seed", "rng_state", "debug_attn_mask", "unused")
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# A contiguous tensor of at most this many elements is weighted element by element (one
-# temporary of its size in int64); a larger one by its row and column sums (no temporary).
+# A tensor of at most this many elements is weighted element by element (a temporary of its
+# size in int64); a larger one by its row and column sums (no temporary of its size).
 _ELEMENTWISE = 1 << 16
 _ROW = 4096  # a large 1-D tensor's row length
 
@@ -224,8 +224,8 @@ def _weighted(b: torch.Tensor) -> list[torch.Tensor]:
 def _exact_parts(t: torch.Tensor) -> list[torch.Tensor]:
     b = bits(t)
     n = b.numel()
-    if n <= _ELEMENTWISE and (b.dim() <= 1 or b.is_contiguous()):
-        flat = b.reshape(-1)  # at most a copy of a small strided 1-D tensor
+    if n <= _ELEMENTWISE:
+        flat = b.reshape(-1)  # a copy of a small non-contiguous tensor at most
         return [torch.sum(flat * weights(n, flat.device), dtype=torch.int64)]
     if b.dim() >= 2:
         return _weighted(b)

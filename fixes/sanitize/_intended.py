@@ -33,6 +33,13 @@ Built in, each a declaration on the upstream functions that make the difference:
   TransformerEngine #1723, so the restore is checked).
 * megatron-core's ``GlobalMemoryBuffer`` (scratch tensors): the buffers sequence-parallel
   all-gathers and attention write into and read straight back.
+* grad-mode-dependent lowering (``LOWERING_OPS``): ``torch.matmul`` of a >= 3-D tensor and a
+  2-D one folds the batch into one ``mm`` when the 2-D operand does not require grad and runs
+  ``expand`` / ``clone`` / ``bmm`` when it does -- so in a reentrant region, whose forward runs
+  without grad and its recompute with, the ops differ, and the results may differ in the last
+  bits (float sums taken in another order). Where the first departure of the op streams is
+  such a block (view, copy and matmul ops only, at one call site), the region's outputs are
+  compared within ``_fingerprint.ATOMIC_RTOL`` instead of bitwise.
 """
 
 from __future__ import annotations
@@ -192,6 +199,30 @@ BUILT_IN: tuple[tuple[str, frozenset[str], Declaration], ...] = (
 _FSDP2_DIR = f"{_S}torch{_S}distributed{_S}fsdp{_S}_fully_shard{_S}"
 # Ops of these namespaces are no part of any op stream (record_function's enter / exit).
 UNRECORDED_NAMESPACES = frozenset({"profiler"})
+
+
+def _aten_packets(*names: str) -> frozenset:
+    import torch
+
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+class _Lowering:
+    """The view, copy and matmul ops one matmul lowers to (looked up on first use: this
+    module imports no torch)."""
+
+    _ops: frozenset | None = None
+
+    def __contains__(self, packet) -> bool:
+        if self._ops is None:
+            type(self)._ops = _aten_packets(
+                "expand", "view", "_unsafe_view", "reshape", "_reshape_alias", "clone",
+                "contiguous", "mm", "bmm", "matmul", "mv", "dot", "t", "transpose", "permute",
+                "unsqueeze", "squeeze", "as_strided", "alias", "unfold", "expand_as")
+        return packet in self._ops
+
+
+LOWERING_OPS = _Lowering()
 
 
 def built_in(code) -> Declaration | None:

@@ -26,6 +26,7 @@ import difflib
 from dataclasses import dataclass
 
 from fixes.sanitize import _fingerprint as fp
+from fixes.sanitize import _intended
 from fixes.sanitize._errors import Divergence
 from fixes.sanitize._stream import OpRecord
 
@@ -40,6 +41,7 @@ class Location:
     # For an op outside the op streams (a declared write): its name and raw recompute site.
     op: object | None = None
     recompute_site: tuple | None = None
+    block: tuple[int, int, int, int] | None = None  # OP: the one-sided ops (f1, f2, r1, r2)
 
 
 def _key(record: OpRecord) -> tuple:
@@ -139,19 +141,34 @@ class Alignment:
     def _block(self, block: _Block) -> Location:
         f_op = self.forward[block.f1] if block.f1 < block.f2 else None
         r_op = self.recompute[block.r1] if block.r1 < block.r2 else None
+        span = (block.f1, block.f2, block.r1, block.r2)
         if f_op is not None and r_op is not None and _same_line(f_op, r_op):
             return Location(Divergence.OP, block.f1, block.r1,
-                            f"the recompute ran {r_op.op} where its forward ran {f_op.op}")
+                            f"the recompute ran {r_op.op} where its forward ran {f_op.op}",
+                            block=span)
         if r_op is not None:
             others = block.r2 - block.r1 - 1
             more = f" (and {others} more after it)" if others else ""
             return Location(Divergence.OP, None, block.r1,
                             f"the recompute ran {r_op.op}{more}, which its forward did not "
-                            "run: no forward op corresponds to it")
+                            "run: no forward op corresponds to it", block=span)
         others = block.f2 - block.f1 - 1
         more = f" (and {others} more after it)" if others else ""
         return Location(Divergence.OP, block.f1, None,
-                        f"the forward ran {f_op.op}{more}, which the recompute did not run")
+                        f"the forward ran {f_op.op}{more}, which the recompute did not run",
+                        block=span)
+
+    def is_lowering(self, location: Location) -> bool:
+        """True if ``location`` is a block of ops that only lower one Python call differently
+        (``_intended.GRAD_MODE_LOWERING``): every op of it a view, copy or matmul kernel, all
+        at one call site."""
+        if location.what is not Divergence.OP or location.block is None:
+            return False
+        f1, f2, r1, r2 = location.block
+        ops = [*self.forward[f1:f2], *self.recompute[r1:r2]]
+        lines = {r.site[0] if r.site else None for r in ops}
+        return (len(lines) == 1 and None not in lines
+                and all(r.op.overloadpacket in _intended.LOWERING_OPS for r in ops))
 
     def early_stop(self, written_at: int) -> Location | None:
         """The forward's op ``written_at`` wrote a saved tensor after its pack: if the

@@ -28,7 +28,7 @@ from fixes.sanitize._intended import Declaration, Writes
 @dataclass(slots=True)
 class Written:
     tensor: torch.Tensor
-    before: torch.Tensor  # a copy of its contents before the recompute's first write
+    before: torch.Tensor  # a copy of its bits before the recompute's first write
     op: object
     argument: str
     position: int  # the recompute's op stream length at the first write
@@ -58,7 +58,7 @@ class OutsideWrites:
         if not fp.readable(tensor):
             return  # released storage (FSDP's reshard): nothing to compare, nothing read
         with torch._C._DisableTorchDispatch(), torch.no_grad():
-            before = tensor.detach().clone()
+            before = fp.bits(tensor).clone()  # as integers: every dtype clones
         self.written[key] = Written(tensor, before, func, argument, position, site,
                                     declaration is None, {declaration})
 
@@ -72,9 +72,10 @@ class OutsideWrites:
                 if all(d is not None and d.writes is Writes.UPDATE and d not in forward_updates
                        for d in w.declarations):
                     continue
-                if not fp.readable(w.tensor) or w.tensor.shape != w.before.shape:
+                if not fp.readable(w.tensor):
                     continue
-                if not torch.equal(fp.bits(w.tensor), fp.bits(w.before)):
+                now = fp.bits(w.tensor)
+                if now.shape != w.before.shape or not torch.equal(now, w.before):
                     changed.append(w)
         return sorted(changed, key=lambda w: w.position)
 
@@ -82,7 +83,8 @@ class OutsideWrites:
         """Give ``changed`` their contents from before the recompute back (last first)."""
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             for w in reversed(changed):
-                w.tensor.copy_(w.before)
+                if fp.readable(w.tensor):
+                    fp.bits(w.tensor).copy_(w.before)
 
     def clear(self) -> None:
         self.written.clear()

@@ -145,10 +145,14 @@ class _Side:
         pass
 
     def set_outputs(self, out) -> None:
-        """A reentrant side's outputs: metadata and, unless the mode is ``none``, prints."""
+        """A reentrant side's outputs: metadata and, unless the mode is ``none``, the exact and
+        the tolerant print of each (the tolerant one for a grad-mode-dependent lowering:
+        ``_intended.LOWERING_OPS``)."""
         printed = self.stream.mode is not Values.NONE
-        self.outputs = [(fp.metadata([t]), fp.fingerprint([t], tolerant=self.stream.tolerant)
-                         if printed else None) for t in fp.tensors(out)]
+        self.outputs = [(fp.metadata([t]),
+                         fp.fingerprint([t], tolerant=self.stream.tolerant) if printed else None,
+                         fp.fingerprint([t], tolerant=True) if printed else None)
+                        for t in fp.tensors(out)]
 
     def fail(self, exc: BaseException) -> None:
         if self.region.broken is not None:
@@ -221,7 +225,10 @@ class Replay(_Side):
             if key is None or key in self._created:
                 continue
             managed = recompute_state.managed_storages() if managed is None else managed
-            if key in managed or _intended.scratch_reason(key) is not None:
+            if key in managed:
+                continue
+            if _intended.scratch_reason(key) is not None:
+                self.region.stats.scratch_writes += 1
                 continue
             if site is None:  # a declared write: its own site, for a report
                 found = raw_site(self.region.opaque, declared=False)

@@ -52,6 +52,17 @@ def _batch_norms() -> dict:
 UNMARKED_WRITES = _batch_norms()
 
 
+def _unmarked_writes(func, schema) -> tuple[tuple[int, str], ...]:
+    found = UNMARKED_WRITES.get(func)
+    if found is not None:
+        return found
+    # c10d's in-place collectives (allreduce_, _allgather_base_, broadcast_, ...) write their
+    # first argument, unmarked: the output of an all-gather, the tensors reduced in place.
+    if func.namespace == "c10d" and schema.name.endswith("_") and schema.arguments:
+        return ((0, schema.arguments[0].name),)
+    return ()
+
+
 def info(func) -> OpInfo:
     found = _infos.get(func)
     if found is None:
@@ -61,7 +72,7 @@ def info(func) -> OpInfo:
         found = _infos[func] = OpInfo(
             skipped=func in _IGNORED or func.overloadpacket in fp.ALLOCATIONS,
             fresh=tuple(r.alias_info is None for r in schema.returns),
-            written=marked + UNMARKED_WRITES.get(func, ()),
+            written=marked + _unmarked_writes(func, schema),
             atomic=func.overloadpacket in fp.ATOMIC_ON_CUDA,
             keep=fp.valued_returns(func),
             valued=not fp.no_values(func))

@@ -83,7 +83,7 @@ class RecomputeSanitizer:
     """What ``recompute_sanitizer()`` yields: its values mode, the checkpoint entries it wraps,
     and counts of what it checked: regions recorded, recomputes judged, ops in the recomputes'
     op streams (``ops_compared``), op-stream fingerprints (forward and recompute together),
-    saved tensors and outputs compared (and the recomputes' saved tensors fingerprinted), writes outside the regions checked, ops left out by
+    saved tensors and outputs compared (and the recomputes' saved tensors fingerprinted), writes outside the regions checked (and into scratch, not checked), ops left out by
     declared intended differences, and the sanitizer's own failures (each region it could not
     check, with the reason)."""
 
@@ -98,6 +98,8 @@ class RecomputeSanitizer:
     saved_fingerprints: int = 0  # of the recomputes' saved tensors
     outputs_compared: int = 0
     outside_writes: int = 0
+    scratch_writes: int = 0  # writes into declared scratch (not checked)
+    lowerings_accepted: int = 0  # reentrant outputs compared within the lowering tolerance
     declared_ops: int = 0
     internal_errors: list[str] = field(default_factory=list)
 
