@@ -115,6 +115,20 @@ def test_a_nan_or_inf_hides_no_other_difference(special):
     assert not _same(vals, moved)  # the same values at another position
 
 
+@pytest.mark.parametrize("n", [6, fp._ELEMENTWISE + 6, 3 * fp._ROW + 5])
+def test_values_that_differ_only_in_high_bits_are_seen_swapped(n):
+    """1.0 and -1.0 (the sign bit), 1.0 and -inf (sign and exponent) swapped between two
+    positions: products taken modulo 2**32 would sum alike."""
+    for a, b in ((1.0, -1.0), (1.0, -float("inf")), (2.0, 0.5)):
+        t = torch.full((n,), a)
+        t[n // 2] = b
+        swapped = torch.full((n,), a)
+        swapped[n // 2 + 1] = b
+        assert not _same(t, swapped), (a, b, n)
+        assert not _same(t.view(2, -1) if n % 2 == 0 else t, swapped.view(2, -1)
+                         if n % 2 == 0 else swapped)
+
+
 def test_a_print_depends_on_the_values_not_the_strides():
     t = torch.randn(64, 48)
     assert _same(t.t(), t.t().contiguous())

@@ -97,6 +97,19 @@ def run():
     x = torch.randn(4, 8, requires_grad=True)
     checkpoint(f, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
 ''',
+    # a reentrant recompute that runs an op its forward did not: no forward op is named as
+    # its counterpart
+    "inserted": '''
+def f(x):
+    h = lin(x)
+    if state["wide"]:
+        h = h * 2.0  # LINE-OP
+    return h.tanh()
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum()
+    state["wide"] = True
+    y.backward()
+''',
     # a reentrant recompute that skips an op its forward ran (the forward's op has no
     # counterpart: it is named alone)
     "length": '''
@@ -133,11 +146,19 @@ def _mismatch(name: str) -> dict:
     ("side-effect", "side effect", "aten.add_.Tensor"),
     ("rng", "values", "aten.bernoulli_.float"),
     ("length", "op", "aten.sin.default"),
+    ("inserted", "op", "aten.mul.Tensor"),
 ])
 def test_first_difference_is_named(name, what, op):
     found = _mismatch(name)
     assert (found["what"], found["op"]) == (what, op), found
     assert found["message"].startswith("recompute of checkpointed region f ("), found
+    if name == "inserted":
+        assert "which its forward did not run: no forward op corresponds to it" in (
+            found["message"])
+        assert found["recompute_site"][0].startswith(found["op_line"]) and not (
+            found["forward_site"]), found
+        assert "Forward op at (none: the forward did not run this op)" in found["message"]
+        return
     if name == "length":
         assert "the forward ran aten.sin.default, which the recompute did not run" in (
             found["message"])

@@ -82,8 +82,8 @@ def test_matmul_lowered_by_grad_mode_is_no_difference(values):
     """``torch.matmul`` of a 3-D and a 2-D tensor folds into one ``mm`` when the 2-D operand
     does not require grad, and runs ``clone`` / ``bmm`` when it does: a reentrant forward runs
     without grad, its recompute with, so the ops differ (issue 34: raised at ``aten.clone``)
-    and the outputs differ in the last bits (CPU: 4.8e-07 here). The op streams part at that
-    lowering alone: the outputs are compared within the tolerance."""
+    and the outputs may differ in the last bits. The op streams part at that lowering alone:
+    the outputs are compared within the tolerance, and a real change is still caught."""
     w = torch.randn(8, 6, requires_grad=True)
 
     def region(t):
@@ -244,8 +244,8 @@ def test_declarations_are_checked():
 
 def test_an_early_stopped_recompute_that_never_fills_a_saved_tensor_is_caught():
     """``nn.RReLU``: its noise is saved before ``rrelu_with_noise`` fills it, and the early
-    stop ends the recompute right before that op (pytorch#193671; gradient error 1.5e5 in
-    issue 34, silent in every mode)."""
+    stop ends the recompute right before that op (pytorch#193671; silent in every mode
+    before)."""
     torch.manual_seed(0)
     rrelu, x = torch.nn.RReLU().train(), torch.randn(8, 16, requires_grad=True)
     with pytest.raises(RecomputeMismatchError) as caught:

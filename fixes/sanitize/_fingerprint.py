@@ -6,9 +6,10 @@ one synchronisation per device).
 
 * Exact (the default): the tensor's bits, read as integers of its element width (every dtype:
   float8 and the other 1-byte floats, sub-byte and bool as bytes, complex through its real
-  view, quantized through ``int_repr``), reduced with position weights in wrapping int64
-  arithmetic: ``sum_i W[i] * bits[i]`` for a small contiguous tensor, otherwise the row sums
-  weighted by row and the column sums weighted by column (rows: every dimension but the last).
+  view, quantized through ``int_repr``), reduced with odd position weights in wrapping int64
+  arithmetic: ``sum_i W[i] * bits[i]`` up to ``_ELEMENTWISE`` elements, beyond that the row
+  sums weighted by row and the column sums weighted by column (rows: every dimension but the
+  last; a permutation that keeps every row's and every column's bit sum is not seen).
   Equal prints are equal bits up to a hash collision; a NaN or inf is a bit pattern like any
   other (a difference elsewhere in the tensor is still seen), and a permutation of rows,
   of columns or of a small tensor's elements changes the print. Integer sums are exact, so
@@ -77,8 +78,10 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
 _STATE_RETURNS = ("philox", "seed", "rng_state", "debug_attn_mask", "unused")
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # A tensor of at most this many elements is weighted element by element (a temporary of its
-# size in int64); a larger one by its row and column sums (no temporary of its size).
-_ELEMENTWISE = 1 << 16
+# size in int64: 128 KiB at most); a larger one by its row and column sums (no temporary of
+# its size). The products must be int64: in int32 two bit patterns that differ only in high
+# bits (a sign, an exponent: 1.0 and -inf) swapped between two positions wrap to the same sum.
+_ELEMENTWISE = 1 << 14
 _ROW = 4096  # a large 1-D tensor's row length
 
 
@@ -114,29 +117,36 @@ def metadata(outs: list[torch.Tensor]) -> tuple:
     return tuple([(tuple(t.shape), t.dtype, t.device.type) for t in outs])
 
 
+def _valued(t: torch.Tensor) -> bool:
+    """A tensor with values of its own: strided, real storage, not empty, not a subclass
+    (fake, functional, DTensor's wrapper)."""
+    return (t.layout is torch.strided and not t.is_meta and t.numel() > 0
+            and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
 def readable(t: torch.Tensor) -> bool:
-    """True if ``t``'s values can be read: strided, real storage, not empty, and its storage
-    still holds every element (a storage released by ``resize_(0)`` -- FSDP's reshard, a
-    recompute reclaim -- must never be read: on CPU that is a segmentation fault)."""
-    if t.layout is not torch.strided or t.is_meta or t.numel() == 0:
+    """True if ``t``'s values can be read: ``_valued``, and its storage still holds every
+    element (a storage released by ``resize_(0)`` -- FSDP's reshard, a recompute reclaim --
+    must never be read: on CPU that is a segmentation fault)."""
+    if not _valued(t):
         return False
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return False  # a subclass (fake, functional, DTensor's wrapper): no values of its own
     try:
-        storage = t.untyped_storage()
+        nbytes = t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return False
-    if storage.data_ptr() == 0 and storage.nbytes() == 0:
-        return False
-    extent = t.storage_offset() + 1 + sum((s - 1) * abs(st) for s, st in
-                                          zip(t.shape, t.stride(), strict=True))
-    return extent * t.element_size() <= storage.nbytes()
+    if t.is_contiguous():
+        extent = t.storage_offset() + t.numel()
+    else:
+        extent = t.storage_offset() + 1
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            extent += (size - 1) * abs(stride)
+    return extent * t.element_size() <= nbytes
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of their width, same shape (a 16-byte complex: its real
-    view, last dimension doubled). Views only: no kernel runs."""
-    x = t.detach()
+    view, last dimension doubled). Views only: no kernel runs. Called with grad disabled."""
+    x = t
     if x.is_quantized:
         x = x.int_repr()
     if x.is_complex():
@@ -241,7 +251,7 @@ def _exact_parts(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
-    x = t.detach()
+    x = t
     if x.is_quantized:
         x = x.dequantize()
     if x.is_complex():
@@ -268,24 +278,32 @@ def _tolerant_parts(t: torch.Tensor, out: Print) -> None:
                                                               device=x.device), x))
 
 
-def fingerprint(outs: list[torch.Tensor], tolerant: bool = False) -> Print | None:
+def fingerprint(outs: list[torch.Tensor], tolerant: bool = False,
+                checked: bool = True) -> Print | None:
     """The print of every readable tensor of ``outs`` (None if there is none); queued kernels
-    only, run past every dispatch mode."""
+    only, run past every dispatch mode. ``checked=False``: ``outs`` were just made by an op
+    (their storage cannot have been released): only ``_valued`` is asked."""
     out = Print()
-    with torch._C._DisableTorchDispatch(), torch.no_grad():
-        for t in outs:
-            if not readable(t):
-                continue
-            if tolerant and (t.is_floating_point() or t.is_complex()):
-                _tolerant_parts(t, out)
-            else:
-                out.exact += _exact_parts(t)
+    with torch._C._DisableTorchDispatch():
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for t in outs:
+                if not (readable(t) if checked else _valued(t)):
+                    continue
+                if tolerant and (t.is_floating_point() or t.is_complex()):
+                    _tolerant_parts(t, out)
+                else:
+                    out.exact += _exact_parts(t)
+        finally:
+            torch._C._set_grad_enabled(grad)
     if not out.exact and not out.approx:
         return None
-    devices = {p.device for p in (*out.exact, *out.approx)}
-    if len(devices) > 1:  # outputs on several devices: compare on the host
-        out.exact = [p.cpu() for p in out.exact]
-        out.approx = [p.cpu() for p in out.approx]
+    if len(out.exact) + len(out.approx) > 1:
+        devices = {p.device for p in (*out.exact, *out.approx)}
+        if len(devices) > 1:  # outputs on several devices: compare on the host
+            out.exact = [p.cpu() for p in out.exact]
+            out.approx = [p.cpu() for p in out.approx]
     return out
 
 

@@ -69,22 +69,34 @@ class _Block:
 
 
 class Alignment:
-    """The forward's and a recompute's op streams, aligned (see the module docstring)."""
+    """The forward's and a recompute's op streams, aligned (see the module docstring) when
+    first asked: a recompute without a difference never pays for the alignment."""
 
     def __init__(self, forward: list[OpRecord], recompute: list[OpRecord], stopped_early: bool):
-        self.forward, self.recompute = forward, recompute
-        matcher = difflib.SequenceMatcher(None, [_key(r) for r in forward],
-                                          [_key(r) for r in recompute], autojunk=False)
-        self.walk: list[_Pair | _Block] = []
+        self.forward, self.recompute, self.stopped_early = forward, recompute, stopped_early
+        self._walk: list[_Pair | _Block] | None = None
         self.to_recompute: dict[int, int] = {}
         self.to_forward: dict[int, int] = {}
+
+    @property
+    def walk(self) -> list[_Pair | _Block]:
+        if self._walk is None:
+            self._walk = self._align()
+        return self._walk
+
+    def _align(self) -> list[_Pair | _Block]:
+        forward, recompute, stopped_early = self.forward, self.recompute, self.stopped_early
+        matcher = difflib.SequenceMatcher(None, [_key(r) for r in forward],
+                                          [_key(r) for r in recompute], autojunk=False)
+        walk: list[_Pair | _Block] = []
         for tag, f1, f2, r1, r2 in matcher.get_opcodes():
             if tag == "equal":
                 for k in range(f2 - f1):
-                    self.walk.append(_Pair(f1 + k, r1 + k))
+                    walk.append(_Pair(f1 + k, r1 + k))
                     self.to_recompute[f1 + k], self.to_forward[r1 + k] = r1 + k, f1 + k
             elif not (stopped_early and tag == "delete" and r1 == len(recompute)):
-                self.walk.append(_Block(tag, f1, f2, r1, r2))
+                walk.append(_Block(tag, f1, f2, r1, r2))
+        return walk
 
     def locate(self, sampled: bool) -> Location:
         pairs = [p for p in self.walk if isinstance(p, _Pair)]
@@ -173,7 +185,7 @@ class Alignment:
     def early_stop(self, written_at: int) -> Location | None:
         """The forward's op ``written_at`` wrote a saved tensor after its pack: if the
         recompute never reached that op, that is where they part."""
-        if written_at in self.to_recompute:
+        if self.walk is not None and written_at in self.to_recompute:
             return None
         op = self.forward[written_at]
         return Location(Divergence.EARLY_STOP, written_at, None,
@@ -183,7 +195,7 @@ class Alignment:
                         "(pytorch#193671)")
 
     def forward_of(self, recompute_index: int) -> int | None:
-        return self.to_forward.get(recompute_index)
+        return self.to_forward.get(recompute_index) if self.walk is not None else None
 
 
 def describe_meta(meta: tuple) -> str:

@@ -191,8 +191,8 @@ class Forward(_Side):
         self.entry = None  # the caller's frame is not kept past the forward
         if exc_type is None and self.region.broken is None:
             try:
+                self.saved.finish()  # first: it may reuse the op stream's prints
                 self.stream.finish()
-                self.saved.finish()
                 self.region.stats.fingerprints += self.stream.fingerprints
             except Exception as failure:
                 self.fail(failure)
@@ -261,8 +261,8 @@ class Replay(_Side):
         if region.broken is not None or forward is None:
             return
         try:
+            self.saved.finish()  # first: it may reuse the op stream's prints
             self.stream.finish()
-            self.saved.finish()
             stats = region.stats
             stats.ops_compared += len(self.stream.records)
             stats.fingerprints += self.stream.fingerprints

@@ -108,7 +108,7 @@ class SavedTensors:
                 self.stream.saved_not_fingerprinted()
             return
         if sampled:
-            entry.print = fp.fingerprint([x], tolerant=entry.tolerant)
+            entry.print = self.stream.print_of(x, entry.tolerant)
             self.stream.saved_fingerprinted()
             self._track(entry, x)
         else:  # kept in case it is the forward's last
@@ -144,7 +144,7 @@ class SavedTensors:
         if self.forward:
             last = self._last_unprinted
             if last is not None and last.tensor is not None:
-                last.print = fp.fingerprint([last.tensor], tolerant=last.tolerant)
+                last.print = self.stream.print_of(last.tensor, last.tolerant)
                 last.tensor = None
             self._last_unprinted = None
             return
@@ -154,5 +154,5 @@ class SavedTensors:
                 continue
             if (self.mode is Values.ALL or e.index % self.every == 0 or e.index == final
                     or e.index == self.forward_count - 1):
-                e.print = fp.fingerprint([e.tensor], tolerant=e.tolerant)
+                e.print = self.stream.print_of(e.tensor, e.tolerant)
             e.tensor = None

@@ -12,6 +12,7 @@ op's outputs at a time, plus those of the op before the latest saved tensor.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,10 @@ class OpStream:
         self.last_outs: list[torch.Tensor] = []  # the latest op's outputs (for ``_saved``)
         self.last_keep: tuple[bool, ...] = ()
         self.last_func = None
+        # id(tensor) -> (weakref, version, tolerant, print) of every tensor printed alone on
+        # this side: a tensor saved for backward that an op just made (or saved before, as a
+        # weight used by every layer) is printed once, while its version stays.
+        self._memo: dict[int, tuple] = {}
 
     def add(self, func, outs: list[torch.Tensor], op: OpInfo, site: tuple) -> OpRecord:
         record = OpRecord(func, fp.metadata(outs), site)
@@ -137,8 +142,26 @@ class OpStream:
                 self._fingerprint(*held)
         self.pending = self.before_saved = None
         self.last_outs = []
+        self._memo.clear()
+
+    def print_of(self, t: torch.Tensor, tolerant: bool) -> fp.Print | None:
+        """``t``'s print: the one this side made of it already if its version has not moved
+        since, else a new one."""
+        known = self._memo.get(id(t))
+        if (known is not None and known[0]() is t and known[1] == t._version
+                and known[2] == tolerant):
+            return known[3]
+        found = fp.fingerprint([t], tolerant=tolerant)
+        self._remember(t, tolerant, found)
+        return found
+
+    def _remember(self, t: torch.Tensor, tolerant: bool, found: fp.Print | None) -> None:
+        if found is not None:
+            self._memo[id(t)] = (weakref.ref(t), t._version, tolerant, found)
 
     def _fingerprint(self, record: OpRecord, valued: list[torch.Tensor]) -> None:
-        record.print = fp.fingerprint(valued, tolerant=self.tolerant)
+        record.print = fp.fingerprint(valued, tolerant=self.tolerant, checked=False)
         if record.print is not None:
             self.fingerprints += 1
+            if len(valued) == 1:
+                self._remember(valued[0], self.tolerant, record.print)

@@ -3,7 +3,7 @@
 
 OLMo-core applied activation checkpointing with ``preserve_rng_state=False``; once a model with
 dropout used it, every recompute drew fresh dropout masks, so the gradients were taken with
-respect to another sample than the loss was (the loss moved by 0.3 with AC on vs off).
+respect to another sample than the loss was (turning AC off moved the loss).
 
 - reference: no checkpoint;
 - buggy: ``checkpoint(..., use_reentrant=False, preserve_rng_state=False)``;
