@@ -154,3 +154,24 @@ def test_first_different_names_the_first_pair():
     assert fp.first_different(pairs) == 1
     assert fp.first_different(pairs[:1]) is None
     assert fp.first_different([(fp.fingerprint([a]), None)]) == 0  # one side missing
+
+
+def test_the_tolerant_print_allows_a_reordered_sum_and_no_more():
+    """The tolerant print (ops with atomics on CUDA): a change of a few units in the last place
+    of each element passes, a change of one element by 1% does not; positions still count."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 32, generator=g)
+    ulps = t + t.abs() * torch.finfo(torch.float32).eps * torch.randint(-2, 3, t.shape,
+                                                                        generator=g)
+    changed = t.clone()
+    changed[5, 7] *= 1.01
+
+    def same(a, b):
+        return fp.first_different([(fp.fingerprint([a], tolerant=True),
+                                    fp.fingerprint([b], tolerant=True))]) is None
+
+    assert same(t, ulps) and not same(t, changed)
+    assert not same(t, t.flip(0))  # rows in another order
+    nan = t.clone()
+    nan[1, 1] = float("nan")
+    assert same(nan, nan.clone()) and not same(nan, t)

@@ -177,6 +177,7 @@ dist.destroy_process_group()
 def _result(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, stdout[-3000:]
+    print(lines[-1])  # with -s: the counts of every mode
     return json.loads(lines[-1].split(" ", 1)[1])
 
 

@@ -137,8 +137,9 @@ class Alignment:
             detail = (f"outputs of {f.op}: forward {describe_meta(f.meta)}, recompute "
                       f"{describe_meta(r.meta)}")
         else:
-            detail = (f"values of {f.op} (bitwise fingerprints): forward {fp.describe(f.print)},"
-                      f" recompute {fp.describe(r.print)}")
+            how = "within the atomics tolerance" if f.print.approx else "bitwise"
+            detail = (f"values of {f.op} (compared {how}): forward {fp.describe(f.print)}, "
+                      f"recompute {fp.describe(r.print)}")
         interval = None
         if sampled and what is Divergence.VALUES:
             start = 0

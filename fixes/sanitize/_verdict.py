@@ -172,25 +172,22 @@ def raise_for(finding: Finding, region, forward, replay) -> None:
     else:
         where = f"differs from its forward at op #{position} ({loc.what}): {loc.detail}"
     if loc.interval is not None:
-        where += (f" (values sampled: every {replay.stream.every}th op, each side's last and "
-                  f"the ops next to its sampled saved tensors are fingerprinted; the first "
+        where += (f" (values sampled: one op in {replay.stream.every}, each side's last and the "
+                  f"ops next to its sampled saved tensors are fingerprinted; the first "
                   f"difference is at one of ops #{loc.interval[0]} to #{loc.interval[1]})")
     sites = ""
     if loc.what is not Divergence.UNLOCATED:
         sites = (f" Forward op at {_site_or(forward_site, 'the forward')}; recompute op at "
                  f"{_site_or(recompute_site, 'the recompute')}.")
-    used = ("Backward uses it" if finding.verdict is not Verdict.SIDE_EFFECT
-            else "It outlives the step")
-    message = (f"recompute of checkpointed region {region.name()} {where}.{sites} {used}: "
-               f"{finding.item}: {finding.detail}")
+    message = f"recompute of checkpointed region {region.name()} {where}.{sites}"
     if finding.verdict is not Verdict.SIDE_EFFECT:
-        message += f", {_WHY}."
+        message += f" Backward uses it: {finding.item}: {finding.detail}, {_WHY}."
     else:
-        message += (". The sanitizer gave it its contents from before the recompute back. "
-                    "Keep the update out of the checkpointed region, capture that state per "
-                    "region (fixes.recompute.state_preserving_context_fn / state_preserving), "
-                    "or, if the write is intended, declare it (fixes.sanitize."
-                    "recompute_may_differ / scratch_tensors).")
+        message += (" The sanitizer gave the tensor its contents from before the recompute "
+                    "back. Keep the update out of the checkpointed region, capture that state "
+                    "per region (fixes.recompute.state_preserving_context_fn / "
+                    "state_preserving), or, if the write is intended, declare it "
+                    "(fixes.sanitize.recompute_may_differ / scratch_tensors).")
     raise RecomputeMismatchError(
         message, region=region.name(), verdict=finding.verdict, item=finding.item,
         what=loc.what, position=position, op=op, forward_site=forward_site,
