@@ -9,8 +9,9 @@ checkpointing). One contract over the whole corpus:
   that run did not diverge;
 * the fixed step raises nothing in any values mode, and equals the reference bit for bit.
 
-``test_corpus_census`` counts, per mode, the diverging runs caught and the fixed runs raised on
-(printed; written as JSON to ``$STACKFIX_CORPUS_CENSUS`` when set)."""
+``test_corpus_census`` counts, per mode, the diverging runs caught, the fixed runs raised on and
+the runs the sanitizer crashed (printed; written as JSON to ``$STACKFIX_CORPUS_CENSUS`` when
+set)."""
 
 from __future__ import annotations
 
@@ -91,12 +92,26 @@ def test_the_fixed_step_raises_nothing(name, mode):
         f"{diverges(reference, result)}")
 
 
+def _counted(bug, variant: Variant, mode: str):
+    """(RecomputeMismatchError or None, any other exception's repr or None) of one run."""
+    try:
+        return _sanitized(bug, variant, mode)[0], None
+    except Exception as exc:  # the sanitizer crashing the user's step: counted, then failed
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _what(error: RecomputeMismatchError | None) -> str | None:
+    if error is None:
+        return None
+    return f"{getattr(error, 'verdict', '-')} / {error.what} / {error.op}"
+
+
 def test_corpus_census():
     """Per mode: buggy runs that diverge from the reference and were caught; fixed runs
     raised on. The contract holds in every mode for the fixed runs and in ``all`` for the
     buggy ones; the other modes' catches are counted, not required."""
-    census = {mode: {"diverging": 0, "caught": 0, "fixed_runs": 0, "false_alarms": 0}
-              for mode in MODES}
+    census = {mode: {"diverging": 0, "caught": 0, "fixed_runs": 0, "false_alarms": 0,
+                     "crashed": 0} for mode in MODES}
     rows = []
     for name in MODULES:
         try:
@@ -106,18 +121,20 @@ def test_corpus_census():
         reference = bug.step(Variant.REFERENCE)
         diverged = bool(diverges(reference, bug.step(Variant.BUGGY)))
         for mode in MODES:
-            error, _ = _sanitized(bug, Variant.BUGGY, mode)
+            error, crash = _counted(bug, Variant.BUGGY, mode)
             census[mode]["diverging"] += diverged
             census[mode]["caught"] += diverged and error is not None
-            fixed_error, _ = _sanitized(bug, Variant.FIXED, mode)
+            fixed_error, fixed_crash = _counted(bug, Variant.FIXED, mode)
             census[mode]["fixed_runs"] += 1
             census[mode]["false_alarms"] += fixed_error is not None
-            rows.append({"bug": bug.upstream, "mode": mode, "caught": error is not None,
-                         "what": None if error is None else f"{error.verdict} / {error.what}",
-                         "false_alarm": fixed_error is not None})
+            census[mode]["crashed"] += (crash is not None) + (fixed_crash is not None)
+            rows.append({"bug": bug.upstream, "mode": mode, "diverges": diverged,
+                         "caught": error is not None, "what": _what(error), "crash": crash,
+                         "false_alarm": fixed_error is not None, "on_fixed": _what(fixed_error),
+                         "fixed_crash": fixed_crash})
     print(json.dumps(census, indent=1))
     if path := os.environ.get("STACKFIX_CORPUS_CENSUS"):
         with open(path, "w") as f:
             json.dump({"census": census, "runs": rows}, f, indent=1)
     assert census["all"]["caught"] == census["all"]["diverging"]
-    assert all(census[m]["false_alarms"] == 0 for m in MODES)
+    assert all(census[m]["false_alarms"] == 0 and census[m]["crashed"] == 0 for m in MODES)

@@ -122,7 +122,7 @@ class _Side:
         """The op's raw call site (None: not part of the op stream) and the declaration it
         runs under, if any."""
         declared = _intended.current()
-        if declared is not None or op.skipped or func.namespace in _intended.UNRECORDED_NAMESPACES:
+        if declared is not None or op.skipped or op.unrecorded:
             return None, declared
         site = raw_site(self.region.opaque, entry=self.entry)
         if isinstance(site, _intended.Declaration):

@@ -48,7 +48,7 @@ class Saved:
 
 def _is_state_output(x: torch.Tensor, stream: OpStream) -> bool:
     keep, outs = stream.last_keep, stream.last_outs
-    if len(keep) != len(outs) or all(keep):
+    if keep is None or len(keep) != len(outs):
         return False
     return any(o is x and not k for o, k in zip(outs, keep, strict=True))
 
@@ -94,8 +94,10 @@ class SavedTensors:
 
     def _record(self, x: torch.Tensor) -> None:
         index = len(self.entries)
-        entry = Saved(index, len(self.stream.records), fp.metadata([x]),
-                      not _is_state_output(x, self.stream), self.stream.tolerant)
+        stream = self.stream
+        entry = Saved(index, len(stream.records), ((tuple(x.shape), x.dtype, x.device.type),),
+                      stream.last_keep is None or not _is_state_output(x, stream),
+                      stream.tolerant)
         self.entries.append(entry)
         if self.mode is Values.NONE or not entry.valued:
             return
@@ -108,8 +110,8 @@ class SavedTensors:
                 self.stream.saved_not_fingerprinted()
             return
         if sampled:
+            self.stream.saved_fingerprinted()  # first: x is often that op's output
             entry.print = self.stream.print_of(x, entry.tolerant)
-            self.stream.saved_fingerprinted()
             self._track(entry, x)
         else:  # kept in case it is the forward's last
             if self._last_unprinted is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fixes.sanitize import _fingerprint as fp
+from fixes.sanitize import _intended
 from fixes.sanitize._modes import Values
 
 # Autograd itself detaches tensors it saves when grad mode is on (a reentrant checkpoint's
@@ -34,7 +35,9 @@ class OpInfo:
     written: tuple[tuple[int, str], ...]  # (position, name) of every argument it writes
     atomic: bool  # accumulates with atomics on CUDA
     keep: tuple[bool, ...]  # per return: its values are a result (not the op's RNG state)
+    keeps_all: bool  # every return is a result
     valued: bool  # its outputs are fingerprinted at all (``fp.no_values``)
+    unrecorded: bool  # never part of an op stream (``_intended.UNRECORDED_NAMESPACES``)
 
 
 _infos: dict = {}
@@ -75,8 +78,9 @@ def info(func) -> OpInfo:
             fresh=tuple(r.alias_info is None for r in schema.returns),
             written=marked + _unmarked_writes(func, schema),
             atomic=func.overloadpacket in fp.ATOMIC_ON_CUDA,
-            keep=fp.valued_returns(func),
-            valued=not fp.no_values(func))
+            keep=(keep := fp.valued_returns(func)), keeps_all=all(keep),
+            valued=not fp.no_values(func),
+            unrecorded=func.namespace in _intended.UNRECORDED_NAMESPACES)
     return found
 
 
@@ -99,8 +103,7 @@ class OpStream:
         self.pending: tuple | None = None  # (record, valued outputs) not fingerprinted yet
         self.before_saved: tuple | None = None  # the op before the latest unsampled save
         self.last_outs: list[torch.Tensor] = []  # the latest op's outputs (for ``_saved``)
-        self.last_keep: tuple[bool, ...] = ()
-        self.last_func = None
+        self.last_keep: tuple[bool, ...] | None = None  # None: every output is a result
         # id(tensor) -> (weakref, version, tolerant, print) of every tensor printed alone on
         # this side: a tensor saved for backward that an op just made (or saved before, as a
         # weight used by every layer) is printed once, while its version stays.
@@ -110,7 +113,7 @@ class OpStream:
         record = OpRecord(func, fp.metadata(outs), site)
         position = len(self.records)
         self.records.append(record)
-        self.last_outs, self.last_keep, self.last_func = outs, op.keep, func
+        self.last_outs, self.last_keep = outs, (None if op.keeps_all else op.keep)
         if op.atomic and not self.tolerant and fp.is_inexact(outs):
             self.tolerant = True
         if self.mode is Values.NONE or not op.valued:
@@ -144,14 +147,14 @@ class OpStream:
         self.last_outs = []
         self._memo.clear()
 
-    def print_of(self, t: torch.Tensor, tolerant: bool) -> fp.Print | None:
+    def print_of(self, t: torch.Tensor, tolerant: bool, checked: bool = True) -> fp.Print | None:
         """``t``'s print: the one this side made of it already if its version has not moved
         since, else a new one."""
         known = self._memo.get(id(t))
         if (known is not None and known[0]() is t and known[1] == t._version
                 and known[2] == tolerant):
             return known[3]
-        found = fp.fingerprint([t], tolerant=tolerant)
+        found = fp.fingerprint([t], tolerant=tolerant, checked=checked)
         self._remember(t, tolerant, found)
         return found
 
@@ -160,8 +163,9 @@ class OpStream:
             self._memo[id(t)] = (weakref.ref(t), t._version, tolerant, found)
 
     def _fingerprint(self, record: OpRecord, valued: list[torch.Tensor]) -> None:
-        record.print = fp.fingerprint(valued, tolerant=self.tolerant, checked=False)
+        if len(valued) == 1:
+            record.print = self.print_of(valued[0], self.tolerant, checked=False)
+        else:
+            record.print = fp.fingerprint(valued, tolerant=self.tolerant, checked=False)
         if record.print is not None:
             self.fingerprints += 1
-            if len(valued) == 1:
-                self._remember(valued[0], self.tolerant, record.print)
