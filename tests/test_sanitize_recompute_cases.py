@@ -242,15 +242,23 @@ def test_declarations_are_checked():
 # -- what backward uses differs while the ops match: caught --------------------------------------
 
 
-def test_an_early_stopped_recompute_that_never_fills_a_saved_tensor_is_caught():
+def test_an_early_stopped_recompute_that_never_fills_a_saved_tensor_is_caught(monkeypatch):
     """``nn.RReLU``: its noise is saved before ``rrelu_with_noise`` fills it, and the early
     stop ends the recompute right before that op (pytorch#193671; silent in every mode
     before)."""
     torch.manual_seed(0)
     rrelu, x = torch.nn.RReLU().train(), torch.randn(8, 16, requires_grad=True)
-    with pytest.raises(RecomputeMismatchError) as caught:
-        with recompute_sanitizer():
-            checkpoint(lambda t: rrelu(t * 2), x, use_reentrant=False).sum().backward()
+    # Uninitialised memory filled: the unfilled noise never happens to hold the forward's
+    # (the allocator may hand the recompute the forward's freed buffer, contents intact).
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RecomputeMismatchError) as caught:
+            with recompute_sanitizer():
+                checkpoint(lambda t: rrelu(t * 2), x, use_reentrant=False).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     error = caught.value
     assert (error.verdict, error.what, error.op) == (
         "saved tensor", "early stop", "aten.rrelu_with_noise.default")

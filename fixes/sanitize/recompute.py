@@ -44,6 +44,7 @@ above, and writes outside the region that no op dispatched makes (``UntypedStora
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,10 @@ class RecomputeSanitizer:
     # -- the wrappers ---------------------------------------------------------------------------
 
     def wrap_generator(self, original):
+        # functools.wraps: the original's attributes come along (a wrapper that marks itself
+        # installed, as fixes.torchtitan's nested-checkpoint one does, is then not stacked
+        # again on top of this one for every sanitizer entered after it).
+        @functools.wraps(original)
         def _checkpoint_without_reentrant_generator(fn, *rest, **kwargs):
             if not self._on() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return (yield from original(fn, *rest, **kwargs))
@@ -163,12 +168,20 @@ class RecomputeSanitizer:
 
 
 def _checkpoint_frame(generator):
-    """The ``_CheckpointFrame`` a suspended ``_checkpoint_without_reentrant_generator`` made
-    (None if this torch names it otherwise: its recomputes are then judged inside their
-    contexts)."""
-    frame = getattr(generator, "gi_frame", None)
-    found = frame.f_locals.get("new_frame") if frame is not None else None
-    return found if callable(getattr(found, "recompute_fn", None)) else None
+    """The ``_CheckpointFrame`` a suspended ``_checkpoint_without_reentrant_generator`` made,
+    through the generators that wrap it (another wrapper of the same name: ``yield from`` or
+    ``next(inner)``, as an earlier sanitizer's left inside fixes.torchtitan's permanent one);
+    None if this torch names it otherwise: its recomputes are then judged inside their
+    contexts."""
+    for _ in range(32):
+        frame = getattr(generator, "gi_frame", None)
+        if frame is None:
+            return None
+        found = frame.f_locals.get("new_frame")
+        if callable(getattr(found, "recompute_fn", None)):
+            return found
+        generator = getattr(generator, "gi_yieldfrom", None) or frame.f_locals.get("inner")
+    return None
 
 
 class _Patch:
