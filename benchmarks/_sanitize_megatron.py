@@ -1,5 +1,7 @@
 """``recompute_sanitizer()`` on real megatron-core models (``benchmarks.megatron_scale``'s MoE
-GPT and GPT+MTP, full recompute, world size 1): no false positive, and its step-time cost.
+GPT -- optionally with megatron's aux loss and z-loss on -- and GPT+MTP; full recompute, or
+selective recompute of the MoE layer and core attention; world size 1): no false positive,
+and its step-time cost.
 
 One child interpreter per (model, device): build, the model's first step under the sanitizer,
 then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA within
@@ -8,14 +10,23 @@ sampled, metadata-only; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {jso
 ops compared, the gradient distances, per mode the median step time and the median of the
 step-by-step ratios, each with every step (``*_repeats``).
 
+``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
+what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
+per sanitized mode, the host functions one sanitized step spends its time in (cProfile, by
+own time): where the sanitizer's cost goes.
+
     python -m benchmarks._sanitize_megatron --model moe --device cpu --size 128x128 --steps 3
+    python -m benchmarks._sanitize_megatron --model moe --aux-loss 0.01 --recompute moe-layer
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 
@@ -34,7 +45,9 @@ def _mode(name: str):
     return recompute_sanitizer(values=MODES[name])
 
 
-def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int) -> dict:
+def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int, *,
+            aux_loss: float = 0.0, recompute: str = "full", clock: str = "wall",
+            profile: str | None = None) -> dict:
     import torch
 
     from benchmarks.megatron_scale import _build
@@ -45,12 +58,14 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
         from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 
         install_megatron_cpu_moe_shim()
-    gpt = _build(model, "allgather", hidden, seq, dtype, device)
+    gpt = _build(model, "allgather", hidden, seq, dtype, device, aux_loss_coeff=aux_loss,
+                 recompute=recompute)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (1, seq), generator=g).to(device)
     labels = torch.randint(0, 32000, (1, seq), generator=g).to(device)
     pos = torch.arange(seq, device=device).unsqueeze(0)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril().logical_not()
+    now = time.thread_time if clock == "thread" else time.perf_counter
 
     def sync():
         if device == "cuda":
@@ -73,14 +88,18 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     reference = step()
     noise = distance(step(), reference)
     result = {"model": model, "device": device, "hidden": hidden, "seq": seq, "dtype": dtype,
+              "aux_loss": aux_loss, "recompute": recompute, "clock": clock,
               "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
-              "ops_compared": sanitizer.ops_compared, "grad_noise": noise,
+              "ops_compared": sanitizer.ops_compared,
+              "saved_compared": sanitizer.saved_compared,
+              "outputs_compared": sanitizer.outputs_compared,
+              "declared_ops": sanitizer.declared_ops, "grad_noise": noise,
               "grad_distance": distance(sanitized, reference)}
     def timed_step(name: str) -> float:
         with _mode(name):
-            t = time.perf_counter()
+            t = now()
             step()
-            return time.perf_counter() - t
+            return now() - t
 
     times = interleaved(list(MODES), timed_step, steps)
     ratios = ratios_to(times, "none")
@@ -89,7 +108,26 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
         result[f"{name}_step_s_repeats"] = times[name]
         result[f"{name}_step_time_ratio"] = statistics.median(ratios[name])
         result[f"{name}_step_time_ratio_repeats"] = ratios[name]
+    if profile:
+        _profile(step, profile)
     return result
+
+
+def _profile(step, path: str) -> None:
+    """One sanitized step per mode under cProfile: the host functions by own time."""
+    out = io.StringIO()
+    for name in MODES:
+        if MODES[name] is None:
+            continue
+        profiler = cProfile.Profile()
+        with _mode(name):
+            profiler.enable()
+            step()
+            profiler.disable()
+        out.write(f"== {name} (values={MODES[name]!r})\n")
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="128x128", help="HIDDENxSEQ")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--aux-loss", type=float, default=0.0, metavar="COEFF",
+                   help="MoE: megatron's aux-loss coefficient (z-loss: a tenth of it); 0: off")
+    p.add_argument("--recompute", choices=("full", "moe-layer"), default="full")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    p.add_argument("--profile", metavar="PATH", help="write per-mode cProfile tables here")
     args = p.parse_args(argv)
+    if args.clock == "thread" and args.device != "cpu":
+        p.error("--clock thread measures the host thread: CPU device only")
     hidden, seq = (int(v) for v in args.size.split("x"))
-    result = measure(args.model, args.device, hidden, seq, args.dtype, args.steps)
+    result = measure(args.model, args.device, hidden, seq, args.dtype, args.steps,
+                     aux_loss=args.aux_loss, recompute=args.recompute, clock=args.clock,
+                     profile=args.profile)
     print("SANITIZE-MEGATRON " + json.dumps(result), flush=True)
     return 0
 

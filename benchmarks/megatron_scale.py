@@ -100,7 +100,11 @@ class Cell:
     error: str | None = None
 
 
-def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, device: str):
+def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, device: str, *,
+           aux_loss_coeff: float = 0.0, recompute: str = "full"):
+    """The model of a cell. ``aux_loss_coeff`` (MoE models): megatron's load-balancing aux
+    loss (and a z-loss a tenth of it) when > 0. ``recompute``: ``full`` (uniform, one layer per
+    checkpoint) or ``moe-layer`` (selective: the MoE layer and core attention)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -111,15 +115,19 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, devic
 
     bf16 = dtype == "bf16"
     moe = model in MOE_MODELS
+    granularity = (dict(recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=1) if recompute == "full" else
+                   dict(recompute_granularity="selective", recompute_modules=["moe", "core_attn"]))
     cfg = TransformerConfig(
         num_layers=4, hidden_size=hidden, num_attention_heads=hidden // 128,
-        ffn_hidden_size=(hidden * 2 if moe else hidden * 4),
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        ffn_hidden_size=(hidden * 2 if moe else hidden * 4), **granularity,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=device == "cpu",
         **(dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
-                moe_aux_loss_coeff=0.0) if moe else dict(mtp_num_layers=1)),
+                moe_aux_loss_coeff=aux_loss_coeff,
+                moe_z_loss_coeff=aux_loss_coeff / 10 if aux_loss_coeff > 0 else None)
+           if moe else dict(mtp_num_layers=1)),
     )
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=False)
     kwargs = {} if moe else dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec,

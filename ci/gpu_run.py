@@ -92,6 +92,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
             Step("sanitizer-per-op-cuda", [
                 PY, "-m", "benchmarks.sanitizer_per_op", "--device", "cuda", "--json",
                 o("sanitizer-per-op-cuda.json")], 120, json="sanitizer-per-op-cuda.json")],
+        # where a sanitized step's host time goes on the real MoE GPT (cProfile per values
+        # mode; aux loss off and on, full and MoE-layer recompute)
+        "sanitizer-profile": [Step(f"sanitize-moe-{name}", [
+            PY, "-m", "benchmarks._sanitize_megatron", "--model", "moe", "--device", "cuda",
+            "--size", "1024x2048", "--steps", "4", *args.split(), "--profile",
+            o(f"profile-moe-{name}.txt")], 100, json=f"profile-moe-{name}.txt")
+            for name, args in (("aux0-full", "--aux-loss 0 --recompute full"),
+                               ("aux0p01-full", "--aux-loss 0.01 --recompute full"),
+                               ("aux0p01-moe-layer", "--aux-loss 0.01 --recompute moe-layer"))],
         # two GPUs (kind nvidia-h200-x2): the MoE GPT with its experts over two NCCL ranks, the
         # bench's cells and the CLI's step times; the suite's and the repros' two-rank tests
         # run in "suite" and "repro" once two GPUs are there

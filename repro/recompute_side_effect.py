@@ -13,7 +13,8 @@ checkpointing:
 
 - unfixed: plain checkpoint -> every count doubled -> ``WrongResult``;
 - under ``fixes.sanitize.recompute_sanitizer()``: ``RecomputeMismatchError`` naming the
-  recompute's ``add_`` into the buffer, before it runs (a replayed side effect);
+  recompute's ``add_`` into the buffer, which the recompute left changed (a replayed side
+  effect; the sanitizer gives the buffer its contents from before the recompute back);
 - fixed: the buffer captured per region, ``fixes.recompute.state_preserving_context_fn`` ->
   the recompute starts from the forward's counts and its own update is undone -> the counts of
   the reference, and the same gradients.

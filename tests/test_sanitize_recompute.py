@@ -1,6 +1,7 @@
-"""``fixes.sanitize.recompute_sanitizer``: a checkpointed region whose recompute differs from its
-forward raises RecomputeMismatchError naming the op, its position, what differs and both call
-sites; a region that replays its forward passes with the same gradients as unsanitized, on every
+"""``fixes.sanitize.recompute_sanitizer``: a checkpointed region whose recompute computes
+something else than its forward where backward uses it raises RecomputeMismatchError naming
+where the recompute first departs (the op, its position, what differs, both call sites); a
+region that replays its forward passes with the same gradients as unsanitized, on every
 checkpoint kind. The error cases run in child processes (one scenario each); the clean ones
 in-process, asserting what was compared (regions, recomputes, ops)."""
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from fixes.sanitize import RecomputeMismatchError, _region, recompute_sanitizer
+from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
 from repro import run_isolated
 
 pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
@@ -96,7 +97,21 @@ def run():
     x = torch.randn(4, 8, requires_grad=True)
     checkpoint(f, x, use_reentrant=False, preserve_rng_state=False).sum().backward()
 ''',
-    # a reentrant recompute that ends before the forward's last op
+    # a reentrant recompute that runs an op its forward did not: no forward op is named as
+    # its counterpart
+    "inserted": '''
+def f(x):
+    h = lin(x)
+    if state["wide"]:
+        h = h * 2.0  # LINE-OP
+    return h.tanh()
+def run():
+    y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum()
+    state["wide"] = True
+    y.backward()
+''',
+    # a reentrant recompute that skips an op its forward ran (the forward's op has no
+    # counterpart: it is named alone)
     "length": '''
 def f(x):
     h = lin(x)
@@ -130,14 +145,25 @@ def _mismatch(name: str) -> dict:
     ("metadata", "metadata", "aten.slice.Tensor"),
     ("side-effect", "side effect", "aten.add_.Tensor"),
     ("rng", "values", "aten.bernoulli_.float"),
-    ("length", "length", "aten.sin.default"),
+    ("length", "op", "aten.sin.default"),
+    ("inserted", "op", "aten.mul.Tensor"),
 ])
 def test_first_difference_is_named(name, what, op):
     found = _mismatch(name)
     assert (found["what"], found["op"]) == (what, op), found
     assert found["message"].startswith("recompute of checkpointed region f ("), found
-    if what == "length":
-        assert "the recompute ran 2 ops, its forward 3" in found["message"]
+    if name == "inserted":
+        assert "which its forward did not run: no forward op corresponds to it" in (
+            found["message"])
+        assert found["recompute_site"][0].startswith(found["op_line"]) and not (
+            found["forward_site"]), found
+        assert "Forward op at (none: the forward did not run this op)" in found["message"]
+        return
+    if name == "length":
+        assert "the forward ran aten.sin.default, which the recompute did not run" in (
+            found["message"])
+        assert found["forward_site"][0].startswith(found["op_line"]) and not (
+            found["recompute_site"]), found
         return
     # Both call sites name the line of the differing op, in the forward and the recompute.
     assert found["forward_site"][0].startswith(found["op_line"]), found
@@ -275,12 +301,10 @@ def test_sampled_values_find_a_difference_within_one_sample_interval(values, at,
         assert f"the first difference is at one of {interval}" in str(caught.value)
 
 
-def test_sampled_values_fingerprint_non_reentrant_regions_in_full(monkeypatch):
-    """A non-reentrant recompute stops after the last saved tensor (here the mul: sin saves
-    its input), so it never reaches the forward's last op: sampling would compare position 0
-    alone and miss a changed scale. Such regions (torch_remat's too) are fingerprinted in full
-    in the sampled mode; the reentrant ones, whose recompute runs to the end, are sampled."""
-    monkeypatch.setattr(_region, "STOPS", {})  # no stop learned by an earlier run here
+def test_sampled_values_judge_a_non_reentrant_region_by_its_last_saved_tensor():
+    """A non-reentrant recompute stops after the last saved tensor (here the mul's output, which
+    sin saves), short of the forward's last op: in the sampled mode that tensor is always
+    fingerprinted, so a changed scale is caught; the op stream names the interval."""
     state = {"scale": 1.0}
     lin = torch.nn.Linear(8, 8)
 
@@ -292,37 +316,28 @@ def test_sampled_values_fingerprint_non_reentrant_regions_in_full(monkeypatch):
         y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
         state["scale"] = 2.0
         y.backward()
+    assert caught.value.verdict == "saved tensor"
     assert caught.value.what == "values" and caught.value.op == "aten.mul.Tensor"
-    assert "values sampled" not in str(caught.value)  # named exactly, not as an interval
 
 
-def test_a_non_reentrant_region_is_sampled_once_its_stop_is_known(monkeypatch):
-    """The first recompute at a call site says where a non-reentrant recompute stops; later
-    forwards there fingerprint that op besides the samples, so they are sampled, and a change
-    read before the stop is still caught."""
-    monkeypatch.setattr(_region, "STOPS", {})
-    state = {"scale": 1.0}
+def test_sampled_values_fingerprint_every_nth_saved_tensor():
+    """20 saved tensors on each side: all of them in "all", every 4th and the last in
+    "sampled", none in "none" (metadata only)."""
     w = torch.randn(8, 8, requires_grad=True)
 
-    def f(x):  # 12 ops, then a sin whose input is the last saved tensor
-        h = x @ w
-        for i in range(10):
-            h = h * state["scale"] if i == 8 else h.cos()
-        return h.sin()
+    def f(x):
+        for _ in range(10):
+            x = torch.tanh(x @ w)  # mm saves its input and w, tanh its result
+        return x
 
-    def step(change: bool = False):
-        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
-        state["scale"] = 2.0 if change else 1.0
-        y.backward()
-        state["scale"] = 1.0
-
-    with recompute_sanitizer(values="sampled", sample_every=4) as sanitizer:
-        step()  # the stop is unknown: in full
-        first = sanitizer.fingerprints
-        step()
-        assert sanitizer.fingerprints - first < first / 2
-        with pytest.raises(RecomputeMismatchError, match=r"the first difference is at one of"):
-            step(change=True)
+    seen = {}
+    for values in ("all", "sampled", "none"):
+        with recompute_sanitizer(values=values, sample_every=4) as sanitizer:
+            checkpoint(f, torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=False).sum().backward()
+        assert sanitizer.saved_compared == 30  # metadata: every one, in every mode
+        seen[values] = sanitizer.saved_fingerprints
+    assert seen == {"all": 30, "sampled": 9, "none": 0}  # 0, 4, ..., 28 and the last
 
 
 @pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),

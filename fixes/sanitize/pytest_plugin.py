@@ -62,8 +62,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run each test under fixes.sanitize's sanitizers: storage (a read of memory that "
         "UntypedStorage.resize_ released raises ReleasedStorageError), mesh, where spmd_types "
         "imports (no spmd mesh in checkpoint recompute raises MeshLostError), recompute (a "
-        "checkpoint recompute that differs from its forward raises RecomputeMismatchError; "
-        "recompute:sampled fingerprints every 8th op's values, recompute:none none). "
+        "checkpoint recompute that computes what backward uses differently from its forward "
+        "raises RecomputeMismatchError; recompute:sampled fingerprints every 8th op and saved "
+        "tensor, recompute:none compares metadata and writes outside the region only). "
         "Without a value: storage,mesh",
     )
 

@@ -1,13 +1,24 @@
-"""``recompute_sanitizer()``: a checkpointed region whose recompute does not replay its forward
-raises ``RecomputeMismatchError`` at the first op that differs, naming it.
+"""``recompute_sanitizer()``: a checkpointed region whose recompute computes something else
+than its forward where backward uses it raises ``RecomputeMismatchError``, naming what differs
+and where the recompute first departs from its forward.
 
 Why: every silent failure of activation checkpointing is a recompute that computes something
 else than the forward did, and autograd then backpropagates through those other activations:
 the spmd mesh lost in the recompute skips torchtitan's collectives (verl #6950; at TP=2 the
 gradients are wrong, no error), state that a later layer's forward overwrote (Megatron-LM #6793),
-an effectful op run a second time (torchtitan #4568 / #4673), an RNG state not restored.
+an effectful op run a second time (torchtitan #4568 / #4673), an RNG state not restored
+(OLMo-core #828), an early-stopped recompute that never fills a saved tensor (pytorch#193671).
 ``torch.utils.checkpoint(determinism_check="default")`` compares only shapes, dtypes and devices
 of the tensors the recompute saves, and nothing covers megatron-core's reentrant checkpoint.
+
+What is judged (``_verdict``): what backward uses -- the tensors the forward saved for backward
+against the recompute's (non-reentrant regions, matched as the checkpoint matches them), the
+region's outputs (reentrant regions, whose forward runs without grad and saves nothing), and
+the tensors outside the region a recompute leaves changed. Ops that differ while these are
+equal are no error. Intended differences are declared where they are made
+(``recompute_may_differ``, ``scratch_tensors``; megatron-core's no-grad aux loss and
+``GlobalMemoryBuffer``, FSDP2's hooks and TransformerEngine's FP8 recompute are built in:
+``_intended``).
 
 What is wrapped while active (all put back on exit): the entry of each checkpoint
 implementation, so that every region is seen whoever calls it --
@@ -15,22 +26,25 @@ implementation, so that every region is seen whoever calls it --
 * ``torch.utils.checkpoint._checkpoint_without_reentrant_generator`` (non-reentrant
   ``checkpoint``, torch's ``checkpoint_wrapper``, torchtitan's AC, torch_remat, which replays
   through it);
+* the same generator as ``torch.distributed._composable.checkpoint`` binds it (the composable
+  ``checkpoint(module)``);
 * ``torch.utils.checkpoint.CheckpointFunction.forward`` (``use_reentrant=True``);
 * ``megatron.core.tensor_parallel.random.CheckpointFunction.forward`` and
   ``CheckpointWithoutOutput.checkpoint`` (megatron's selective recompute), also when
   megatron-core is imported while the sanitizer is active.
 
-Each region's forward and recompute run under the dispatch modes of ``_region`` (the contract
-is stated there); values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that
-accumulates with atomics on CUDA (``_fingerprint``). torch_remat's SAVE ops (run in the forward,
-loaded in the recompute) are not compared, the ops that read their outputs are. Not seen: regions under ``torch.compile``, ops on other threads than the one
-that runs the region, state that is a Python value rather than a tensor (its effect on the
-recomputed values is seen).
+Values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that accumulates with
+atomics on CUDA (``_fingerprint``). Not seen: regions under ``torch.compile``, ops on other
+threads than the one that runs the region, state that is a Python value rather than a tensor
+(its effect on the recomputed values is seen), checkpoint implementations other than the ones
+above, and writes outside the region that no op dispatched makes (``UntypedStorage.resize_``,
+``.data =``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -40,21 +54,39 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
+from fixes.sanitize._errors import (
+    Divergence,
+    RecomputeMismatchError,
+    RecomputeSanitizerWarning,
+    Verdict,
+)
 from fixes.sanitize._fingerprint import ATOMIC_RTOL
-from fixes.sanitize._modes import VALUES
+from fixes.sanitize._intended import recompute_may_differ, scratch_tensors
+from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
-from fixes.sanitize._region import RecomputeMismatchError, Region
+from fixes.sanitize._opsite import entry_frame
+from fixes.sanitize._region import Region
 
-__all__ = ["ATOMIC_RTOL", "RecomputeMismatchError", "RecomputeSanitizer", "recompute_sanitizer"]
+__all__ = ["ATOMIC_RTOL", "Divergence", "RecomputeMismatchError", "RecomputeSanitizer",
+           "RecomputeSanitizerWarning", "Values", "Verdict", "recompute_may_differ",
+           "recompute_sanitizer", "scratch_tensors"]
 
 _MEGATRON = "megatron.core.tensor_parallel.random"
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+
+
+def _has_megatron() -> bool:
+    return importlib.util.find_spec("megatron") is not None
 
 
 @dataclass
 class RecomputeSanitizer:
     """What ``recompute_sanitizer()`` yields: its values mode, the checkpoint entries it wraps,
-    and counts of what it checked (regions recorded, recomputes and ops compared, ops whose
-    values were fingerprinted, forward and recompute together)."""
+    and counts of what it checked: regions recorded, recomputes judged, ops in the recomputes'
+    op streams (``ops_compared``), op-stream fingerprints (forward and recompute together),
+    saved tensors and outputs compared (and the recomputes' saved tensors fingerprinted), writes outside the regions checked (and into scratch, not checked), ops left out by
+    declared intended differences, and the sanitizer's own failures (each region it could not
+    check, with the reason)."""
 
     values: str = "all"
     sample_every: int = 8
@@ -63,31 +95,46 @@ class RecomputeSanitizer:
     recomputes: int = 0
     ops_compared: int = 0
     fingerprints: int = 0
+    saved_compared: int = 0
+    saved_fingerprints: int = 0  # of the recomputes' saved tensors
+    outputs_compared: int = 0
+    outside_writes: int = 0
+    scratch_writes: int = 0  # writes into declared scratch (not checked)
+    lowerings_accepted: int = 0  # reentrant outputs compared within the lowering tolerance
+    declared_ops: int = 0
+    internal_errors: list[str] = field(default_factory=list)
 
     def _on(self) -> bool:
         return _slot.holds(self)
 
-    def region(self, kind: str, fn, opaque: bool = False,
-               replays_to_end: bool = True) -> Region:
+    def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True) -> Region:
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self, opaque, replays_to_end)
+        return Region(kind, label, call_site(), self, opaque, reentrant)
 
     # -- the wrappers ---------------------------------------------------------------------------
 
     def wrap_generator(self, original):
+        # functools.wraps: the original's attributes come along (a wrapper that marks itself
+        # installed, as fixes.torchtitan's nested-checkpoint one does, is then not stacked
+        # again on top of this one for every sanitizer entered after it).
+        @functools.wraps(original)
         def _checkpoint_without_reentrant_generator(fn, *rest, **kwargs):
             if not self._on() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return (yield from original(fn, *rest, **kwargs))
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith("torch_remat"):
-                region = self.region("torch_remat", fn, opaque=True, replays_to_end=False)
+                region = self.region("torch_remat", fn, opaque=True, reentrant=False)
             else:
                 region = self.region("torch.utils.checkpoint, non-reentrant", fn,
-                                     replays_to_end=False)
+                                     reentrant=False)
+            entry = entry_frame(sys._getframe(1))
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
+            frame = _checkpoint_frame(inner)
+            if frame is not None:  # judge each recompute outside its contexts
+                frame.recompute_fn = region.judging(frame.recompute_fn)
             try:
-                with region.recording():  # innermost: inside the caller's forward context
+                with region.recording(entry):  # innermost: inside the caller's forward context
                     yield
             except GeneratorExit:
                 inner.close()
@@ -120,6 +167,23 @@ class RecomputeSanitizer:
         return checkpoint
 
 
+def _checkpoint_frame(generator):
+    """The ``_CheckpointFrame`` a suspended ``_checkpoint_without_reentrant_generator`` made,
+    through the generators that wrap it (another wrapper of the same name: ``yield from`` or
+    ``next(inner)``, as an earlier sanitizer's left inside fixes.torchtitan's permanent one);
+    None if this torch names it otherwise: its recomputes are then judged inside their
+    contexts."""
+    for _ in range(32):
+        frame = getattr(generator, "gi_frame", None)
+        if frame is None:
+            return None
+        found = frame.f_locals.get("new_frame")
+        if callable(getattr(found, "recompute_fn", None)):
+            return found
+        generator = getattr(generator, "gi_yieldfrom", None) or frame.f_locals.get("inner")
+    return None
+
+
 class _Patch:
     """``owner.name = wrapper`` for the sanitizer's duration; restored only if still ours."""
 
@@ -141,24 +205,26 @@ _slot = ActiveSlot("recompute_sanitizer()")
 @contextlib.contextmanager
 def recompute_sanitizer(values: str | bool = "all",
                         sample_every: int = 8) -> Iterator[RecomputeSanitizer]:
-    """While active, every checkpointed region records its forward's ops and compares each
-    recompute with them; the first difference raises ``RecomputeMismatchError`` naming the op,
-    its position in the region, what differs and both call sites. Not reentrant: RuntimeError
-    if active.
+    """While active, every checkpointed region records its forward and judges each recompute
+    against it by what backward uses (the saved tensors of a non-reentrant region, the outputs
+    of a reentrant one, and the tensors outside the region it leaves changed); a difference
+    raises ``RecomputeMismatchError`` when the recompute ends, naming what differs and where
+    the recompute first departs from its forward (op, position, both call sites). Not
+    reentrant: RuntimeError if active.
 
-    ``values``: what of the ops' values is compared, besides every op and its outputs'
-    metadata. ``"all"`` (or True): a fingerprint of every op's outputs, so the error names the
-    first op whose values differ. ``"sampled"``: of every ``sample_every``-th op and of each
-    side's last op -- a difference that reaches the region's output is still caught, and the
-    error names the interval of ops it arose in; the fingerprint kernels drop by that factor.
-    Reentrant regions (torch's ``use_reentrant=True``, megatron-core's) are sampled from the
-    first; a non-reentrant or torch_remat recompute stops after the last saved tensor, short of
-    the forward's last op, so such a region is fingerprinted in full until a recompute at its
-    checkpoint call (in this process, under any sanitizer) has said where it stops, and
-    sampled with that op after.
-    ``"none"`` (or False): no fingerprint kernels. ValueError for anything else."""
+    ``values`` (a ``Values`` or its name): how much is fingerprinted, besides the metadata of
+    everything and the contents of outside tensors a recompute writes. ``"all"`` (or True):
+    every saved tensor, output and op of the op stream, so a difference in any of them is
+    caught and the error names the first op whose values differ. ``"sampled"``: the outputs,
+    every ``sample_every``-th saved tensor and op, each side's last saved tensor and op, and
+    the op next to each fingerprinted saved tensor -- a difference that reaches the last saved
+    tensor or an output is still caught, and the error names the interval of ops it arose in.
+    ``"none"`` (or False): no fingerprint kernels: metadata and writes outside the regions.
+    ValueError for anything else."""
     if values is True or values is False:
         values = "all" if values else "none"
+    if isinstance(values, Values):
+        values = values.value
     if values not in VALUES:
         raise ValueError(f"recompute_sanitizer: values must be one of "
                          f"{', '.join(map(repr, VALUES))} (or True / False), got {values!r}")
@@ -182,6 +248,12 @@ def recompute_sanitizer(values: str | bool = "all",
                                       f, "megatron-core CheckpointWithoutOutput")))
             sanitizer.wrapped.append(f"{_MEGATRON}.CheckpointWithoutOutput.checkpoint")
 
+    def patch_composable(module) -> None:
+        # torch.distributed._composable.checkpoint binds the generator at its import.
+        patches.append(_Patch(module, "_checkpoint_without_reentrant_generator",
+                              sanitizer.wrap_generator))
+        sanitizer.wrapped.append(f"{_COMPOSABLE}._checkpoint_without_reentrant_generator")
+
     try:
         patches.append(_Patch(torch_checkpoint, "_checkpoint_without_reentrant_generator",
                               sanitizer.wrap_generator))
@@ -190,10 +262,15 @@ def recompute_sanitizer(values: str | bool = "all",
                                   f, "torch.utils.checkpoint, reentrant")))
         sanitizer.wrapped += ["torch.utils.checkpoint._checkpoint_without_reentrant_generator",
                               "torch.utils.checkpoint.CheckpointFunction.forward"]
-        if _MEGATRON in sys.modules:
-            patch_megatron(sys.modules[_MEGATRON])
-        elif importlib.util.find_spec("megatron") is not None:
-            hook = OnImport({_MEGATRON: patch_megatron})
+        later = {}
+        for name, patch, installed in ((_MEGATRON, patch_megatron, _has_megatron),
+                                       (_COMPOSABLE, patch_composable, lambda: True)):
+            if name in sys.modules:
+                patch(sys.modules[name])
+            elif installed():
+                later[name] = patch
+        if later:  # patched when imported while the sanitizer is active
+            hook = OnImport(later)
             sys.meta_path.insert(0, hook)
         yield sanitizer
     finally:
