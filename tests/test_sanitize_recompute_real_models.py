@@ -55,8 +55,8 @@ def sanitized_runs(step):
 
 MEGATRON_MOE_GPT = _COMPARE + '''
 import sys
-from repro.shared_view_reclaim import setup_megatron
-from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+from repro.harness.megatron_world import setup_megatron
+from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 setup_megatron("cpu")
 install_megatron_cpu_moe_shim()
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -99,8 +99,8 @@ sanitized_runs(step)
 '''
 
 MEGATRON_SEQUENCE_PARALLEL_LINEAR = _COMPARE + '''
-from repro.shared_view_reclaim import setup_megatron
-from repro.harness.megatron_cpu import install_megatron_cpu_moe_shim
+from repro.harness.megatron_world import setup_megatron
+from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 setup_megatron("cpu")
 install_megatron_cpu_moe_shim()  # the layer's backward asks torch.cuda.current_device()
 from megatron.core import parallel_state, tensor_parallel

@@ -41,7 +41,7 @@ def _reentering_autocast(fn):
 def step(variant: Variant) -> Result:
     from megatron.core import tensor_parallel
 
-    from repro.testing import megatron_on_cpu
+    from fixes.testing import megatron_on_cpu
 
     torch.manual_seed(0)
     up, down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
