@@ -38,8 +38,11 @@ fi
 # stale .git (the device tool's named the session's first commit), and pytest-benchmark and
 # ci/gpu_run.py record the commit and whether the tree is dirty from git.
 if [ -f .gpu/head.bundle ] && command -v git >/dev/null; then
-  rm -rf .git && git init -q && git fetch -q .gpu/head.bundle HEAD && git reset -q FETCH_HEAD \
-    || return 1
-  export STACKFIX_COMMIT=${STACKFIX_COMMIT:-$(git rev-parse HEAD)}
+  bundled=$(git bundle list-heads .gpu/head.bundle | awk 'NR == 1 {print $1}')
+  if [ "$(git rev-parse -q --verify HEAD 2>/dev/null)" != "$bundled" ]; then  # once per tree
+    rm -rf .git && git init -q && git fetch -q .gpu/head.bundle HEAD && git reset -q FETCH_HEAD \
+      || return 1
+  fi
+  export STACKFIX_COMMIT=${STACKFIX_COMMIT:-$bundled}
 fi
 export PYTHONUNBUFFERED=1

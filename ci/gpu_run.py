@@ -92,6 +92,12 @@ def _steps(out: str) -> dict[str, list[Step]]:
             Step("sanitizer-per-op-cuda", [
                 PY, "-m", "benchmarks.sanitizer_per_op", "--device", "cuda", "--json",
                 o("sanitizer-per-op-cuda.json")], 120, json="sanitizer-per-op-cuda.json")],
+        # its cost on the real megatron models alone on the GPU, fp32 (the MoE GPT with the aux
+        # loss off and on, full and MoE-layer recompute; GPT+MTP)
+        "sanitizer-cost": [Step("bench-gpu-sanitize-megatron", [
+            *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-k", "megatron and fp32",
+            "-p", "no:xdist", "-s", f"--benchmark-json={o('bench-gpu-sanitize-megatron.json')}"],
+            300, json="bench-gpu-sanitize-megatron.json")],
         # where a sanitized step's host time goes on the real MoE GPT (cProfile per values
         # mode; aux loss off and on, full and MoE-layer recompute)
         "sanitizer-profile": [Step(f"sanitize-moe-{name}", [
