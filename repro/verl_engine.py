@@ -149,7 +149,9 @@ def engine_configs(path: Path, kind: str, device: str, size: ModelSize):
         use_dynamic_bsz=False, micro_batch_size_per_gpu=size.batch,
         override_transformer_config=transformer_overrides(kind, device),
     )
-    optimizer = McoreOptimizerConfig(lr=1e-4)
+    # total_training_steps: verl's scheduler decays over it and megatron's asserts it is > 0
+    # (OptimizerParamScheduler: lr_decay_steps > 0; the default -1 failed on the H200)
+    optimizer = McoreOptimizerConfig(lr=1e-4, total_training_steps=10, lr_decay_style="constant")
     return model, engine, optimizer, CheckpointConfig()
 
 

@@ -62,21 +62,22 @@ def _build(model: str, dtype: str, device: str):
     return gpt
 
 
-def grads(model: str, dtype: str, reclaim: str, device: str = "cpu",
-          events: list | None = None) -> dict[str, torch.Tensor]:
-    """One forward + backward with ``reclaim`` installed; every parameter's gradient
-    (``events``: the reclaims' ``ReclaimEvent`` s)."""
+def grads(gpt, reclaim: str, device: str = "cpu", events: list | None = None
+          ) -> dict[str, torch.Tensor]:
+    """One forward + backward of ``gpt`` with ``reclaim`` installed; every parameter's
+    gradient (``events``: the reclaims' ``ReclaimEvent`` s). The same model and batch for every
+    reclaim: on CUDA a second build would draw other weights from megatron's RNG tracker."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from fixes.megatron import recompute_reclaim_events
     from repro.reclaims import install_reclaim
 
-    gpt = _build(model, dtype, device)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2, 16), generator=g).to(device)
     pos = torch.arange(16, device=device).expand(2, 16)
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device=device).tril().logical_not()
     labels = torch.randint(0, 128, (2, 16), generator=g).to(device)
+    gpt.zero_grad(set_to_none=True)
     install_reclaim(reclaim, CheckpointFunction)
     try:
         with recompute_reclaim_events() as seen:
@@ -107,8 +108,9 @@ def parity(model: str, dtype: str, reclaim: str = "ours", device: str = "cpu") -
         # allocate there in training mode
         install_megatron_cpu_moe_shim()
     events: list = []
-    reference = grads(model, dtype, "none", device)
-    got = grads(model, dtype, reclaim, device, events=events)
+    gpt = _build(model, dtype, device)
+    reference = grads(gpt, "none", device)
+    got = grads(gpt, reclaim, device, events=events)
     if reference.keys() != got.keys():
         return f"DIFFERENT parameters with grads: {sorted(reference.keys() ^ got.keys())}"
     differ = [n for n in reference if not torch.equal(reference[n], got[n])]
