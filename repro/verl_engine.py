@@ -123,7 +123,13 @@ def transformer_overrides(kind: str, device: str) -> dict:
             "recompute_num_layers": 1,
             # the local spec's attention (repro/harness/mbridge_local_spec.py); verl's default
             # "flash" names TE's
-            "attention_backend": "local"}
+            "attention_backend": "local",
+            # fused kernels that Apex / TE build (scaled_masked_softmax_cuda,
+            # fused_weight_gradient_mlp_cuda, ...): neither is installed (H200: ModuleNotFoundError
+            # 'scaled_masked_softmax_cuda' in the first train_batch); megatron's torch paths
+            "masked_softmax_fusion": False, "gradient_accumulation_fusion": False,
+            "bias_activation_fusion": False, "bias_dropout_fusion": False,
+            "apply_rope_fusion": False, "persist_layer_norm": False}
     if kind == "moe":
         # mbridge's Qwen3-MoE bridge sets both for TE: grouped GEMM (TE's, or the grouped_gemm
         # package's) and persist_layer_norm (Apex/TE; megatron's torch norm asserts it is off)
