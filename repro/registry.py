@@ -5,6 +5,18 @@ function ``run(fixed: bool, device: str) -> None`` that performs the scenario in
 the runner always calls it in a child process (``python -m repro.child``, forked from the fork
 server or spawned, as the Repro's ``forkserver`` says), so a segfault or a CUDA fault ends that
 child only.
+
+Adding a repro: create ``repro/<name>.py`` with ``run(fixed, device)`` (raise ``WrongResult``
+when a completed run gives a wrong answer) and ``REPROS = [Repro(name=..., summary=..., run=run,
+devices=("cpu",), signatures=(Signature(exception="RuntimeError", message="..."),))]``, then
+regenerate the runner's catalog, ``python -m repro.catalog`` (``repro/catalog.json``: what
+``--list``, argument checks and pre-start skips read without importing torch;
+tests/test_cli_imports.py fails while it is out of date). A check that needs no child (an
+environment variable, a checkout) goes in ``precondition=``. ``tests/test_repros.py`` then gates
+it (unfixed reproduces a signature, fixed passes) with no further code; declare
+``sanitized_signatures`` when ``fixes.sanitize`` names the fault earlier. A repro that starts rank
+processes runs each rank inside ``repro.harness.ranks.reporting_rank()`` and calls
+``raise_for_ranks(ranks)``.
 """
 
 from __future__ import annotations
