@@ -28,7 +28,7 @@ never deltas across one step. The #3221 leak is state that one step leaves and t
 forward replaces (a dispatcher attribute set again by the next forward lets the old recompute
 graph go), so in steady state a step retains nothing *more* than the step before it: measured
 as a delta it is invisible, and it lowers the no-reclaim run's peak-over-its-start, which is
-how an earlier version of this tool reported every reclaim as costing +6% peak. So:
+which made every reclaim look as if it cost peak memory. So:
 
 - ``peak_bytes``: the highest the measured step goes, above the built model;
 - ``retained_bytes``: live after the step, above the built model and the parameters' grads --
@@ -57,9 +57,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from benchmarks._meters import CpuMeter, CudaMeter
 from benchmarks._spread import interleaved
 
 MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
@@ -162,130 +162,6 @@ def _keep_routing_probs(gpt) -> None:
             layer.route = keeping_route
 
 
-def _site(frames: list[dict]) -> str:
-    """The innermost frame outside torch's own Python (where a model or patch allocated)."""
-    for f in frames:
-        name = f.get("filename", "")
-        if name.endswith(".py") and "/torch/" not in name and "megatron_scale" not in name:
-            return f"{name.split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
-    return "?"
-
-
-_MARK_BYTES = 7919 * 512  # an allocation of this size marks where the measured step begins
-
-
-def peak_sites(snapshot: dict, top: int = 12) -> list[tuple[str, int]]:
-    """Replay a memory-history trace recorded from before the model was built; the ``top``
-    allocation sites by bytes live at the highest point after the marker allocation (the
-    measured step), blocks from the build and the warm-up step included."""
-    live: dict[int, tuple[int, str]] = {}
-    total = best = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    measuring = False
-    for trace in snapshot.get("device_traces", []):
-        for ev in trace:
-            if ev["action"] == "alloc":
-                if ev["size"] == _MARK_BYTES:
-                    measuring = True
-                live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
-                total += ev["size"]
-                if measuring and total > best:
-                    best, at_peak = total, dict(live)
-            elif ev["action"] == "free_requested" and ev["addr"] in live:
-                total -= live.pop(ev["addr"])[0]
-    sites: dict[str, int] = {}
-    for size, site in at_peak.values():
-        sites[site] = sites.get(site, 0) + size
-    return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
-
-
-class _CudaMeter:
-    """The caching allocator's statistics (bytes of live tensors, rounded to its blocks)."""
-
-    def __init__(self, trace: bool):
-        import torch
-
-        self.torch, self.trace = torch, trace
-        if trace:  # from before the build: every live block at the peak gets its site
-            torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
-
-    def current(self) -> int:
-        return self.torch.cuda.memory_allocated()
-
-    def requested(self, kind: str) -> int:
-        return self.torch.cuda.memory_stats().get(f"requested_bytes.all.{kind}", 0)
-
-    @contextmanager
-    def build(self):
-        yield
-
-    @contextmanager
-    def measured(self):
-        torch = self.torch
-        torch.cuda.synchronize()
-        if self.trace:  # the marker: the replay's window opens here
-            torch.empty(_MARK_BYTES, dtype=torch.uint8, device="cuda")
-        torch.cuda.reset_peak_memory_stats()
-        yield
-        torch.cuda.synchronize()
-
-    def peak(self) -> int:
-        return self.torch.cuda.max_memory_allocated()
-
-    def sync(self) -> None:
-        self.torch.cuda.synchronize()
-
-    def sites(self) -> list | None:
-        if not self.trace:
-            return None
-        sites = peak_sites(self.torch.cuda.memory._snapshot())
-        self.torch.cuda.memory._record_memory_history(enabled=None)
-        return sites
-
-
-class _CpuMeter:
-    """MemTracker: exact bytes of every storage created since the build (it patches
-    ``UntypedStorage.resize_`` while active, so a reclaim's ``resize_(0)`` counts). Entering it
-    again restarts its peak at the current total; what it tracked stays tracked."""
-
-    def __init__(self, trace: bool):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        if trace:
-            raise SystemExit("error: --trace needs --device cuda (the CUDA allocator's history)")
-        self.tracker = MemTracker()
-
-    def _total(self, kind: str) -> int:
-        import torch
-
-        snap = self.tracker.get_tracker_snapshot(kind)
-        return int(snap.get(torch.device("cpu"), {}).get("Total", 0))
-
-    def current(self) -> int:
-        return self._total("current")
-
-    def requested(self, kind: str) -> int:
-        return 0  # no allocator rounding on CPU: requested_peak_bytes stays 0
-
-    def build(self):
-        return self.tracker
-
-    @contextmanager
-    def measured(self):
-        self.tracker.reset_mod_stats()  # per-module stats are per iteration; totals are kept
-        with self.tracker:
-            yield
-
-    def peak(self) -> int:
-        return self._total("peak")
-
-    def sync(self) -> None:
-        pass
-
-    def sites(self) -> None:
-        return None
-
-
 def _grads_digest(model) -> str:
     import hashlib
 
@@ -306,7 +182,7 @@ def _measure(cell: Cell, steps: int, trace: bool = False,
     from fixes.megatron import recompute_reclaim_events
 
     device = cell.device
-    meter = _CudaMeter(trace) if device == "cuda" else _CpuMeter(trace)
+    meter = CudaMeter(trace) if device == "cuda" else CpuMeter(trace)
     with meter.build():
         gpt = _build(cell.model, cell.dispatcher, cell.hidden, cell.seq, cell.dtype, device)
         ids = torch.randint(0, 32000, (1, cell.seq), device=device)

@@ -20,9 +20,8 @@ from benchmarks._spread import MIN_REPEATS
 
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
 # ``ep_steps``: timed steps of the expert-parallel cells. Each of their steps waits on the other
-# rank's collectives, whose jitter is in every step time (H200 x2, 2026-11-30: ours 0.9985 then
-# 1.0114 at H=2048 bf16 in two runs of 20 steps, verl 0.8.0 1.0044 then 1.0068). 60 interleaved
-# steps: ~20 s more per EP run.
+# rank's collectives, whose jitter is in every step time: two 20-step runs of one cell differed
+# by about 1% (benchmarks/results/h200-2026-11-30-round5/), so 60 interleaved steps.
 PLAN = {
     # CPU: the fewest interleaved steps whose spread the dashboard reads (benchmarks._spread)
     "cpu": dict(models=("moe", "moe-ep2", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",),
@@ -40,24 +39,19 @@ def _model_and_ep(model: str) -> tuple[str, int]:
     base, sep, ep = model.rpartition(EP_SUFFIX)
     return (base, int(ep)) if sep and ep.isdigit() else (model, 1)
 # The step-time goal: a reclaim may cost at most 1% over no reclaim (medians of step-by-step
-# ratios of >= 20 interleaved steps). Asserted on GPU at H=2048/S=4096 (80-340 ms steps). At
-# H=1024/S=2048 (26-90 ms steps) 20 steps spread 0.95-1.07 for every reclaim, verl's too (H200,
-# 2026-11-30). With 100 steps ours was 0.997-1.002 in four cells, 1.012 for MoE-kept-probs bf16
-# and 1.026 for GPT+MTP bf16 (verl 0.8.0: 0.997, 1.029): launch-bound 26 ms steps, where the
-# reclaim's CPU time shows (0.49 ms a step). With a checkpoint nothing leaked left to reference
-# counting it is 0.10 ms, and those two cells gave 1.005 and 1.000, but a 40-step probe of the
-# GPT+MTP cell in the same session 1.028, its extra time outside the reclaim. Recorded
-# (``step_time_vs_none_ratio``), not bounded at 1% there. Not on CPU: the steps of a shared
-# 2-core CI machine are noisier still.
+# ratios of >= 20 interleaved steps), asserted on GPU at H=2048/S=4096, whose steps are long
+# enough for a 1% ratio to be read. At H=1024/S=2048 the steps are launch-bound and 20 steps
+# spread wider than 1% for every reclaim, verl's too (benchmarks/results/h200-2026-11-30-round5/):
+# recorded (``step_time_vs_none_ratio``), not bounded. Not on CPU: a shared machine's steps are
+# noisier still.
 STEP_TIME_LIMIT = 1.01
 STEP_TIME_SIZES = ((2048, 4096),)
 # The CUDA caching allocator counts blocks, not tensor bytes: it serves a request from a cached
 # block up to 1 MiB larger without splitting it, and which block a request meets depends on the
-# allocation history. So two strategies freeing the same tensors differ by a few blocks either way:
-# ours - verl 0.8.0 measured from -1.4 to +1.4 MiB kept (H200, 2026-11-30; +1.4 MiB of 68.5 at
-# EP=2 H=1024 bf16), while the bytes the tensors requested at the peak were equal in every cell.
-# So on CUDA: requested peak bytes exactly, the allocator's figures within its slack. Exact on CPU
-# (MemTracker counts storages).
+# allocation history. So two strategies freeing the same tensors differ by a few blocks either way
+# (benchmarks/results/h200-2026-12-01-read-through/: 48 KiB in one cell, the requested peak bytes
+# equal). So on CUDA: requested peak bytes exactly, the allocator's figures within its slack.
+# Exact on CPU (MemTracker counts storages).
 CUDA_ROUNDING = 0.001
 CUDA_BLOCK_SLACK = 2 * 1024 * 1024
 

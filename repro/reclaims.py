@@ -29,7 +29,7 @@ def _resize_all(backward: Callable) -> Callable:
     """verl's reclaim mechanism on any reentrant checkpoint: after the backward, ``resize_(0)``
     each requires-grad recompute input and its grad, handing back clones of the grads. Which
     tensors the recompute got is recorded by a pass-through ``ctx.run_function`` for the call."""
-    from fixes.megatron.reclaim import ReclaimAction, emit
+    from fixes.megatron.reclaim_events import ReclaimAction, emit
     from fixes.megatron.storage import storage_key
 
     @functools.wraps(backward)
@@ -58,12 +58,6 @@ def _resize_all(backward: Callable) -> Callable:
     return resize_all_backward
 
 
-def _megatron_checkpoint_function() -> type:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    return mrandom.CheckpointFunction
-
-
 def install_verl_reclaim(version: str) -> None:
     """verl ``version``'s ``apply_patch_megatron_recomputation_backward``, as released and as
     its Megatron engine calls it (it assigns megatron-core's ``CheckpointFunction.backward``)."""
@@ -78,24 +72,29 @@ def install_reclaim(variant: str, target: type | None = None, over: str | None =
 
     ``over``: a verl variant installed first, as verl's Megatron engine installs it in its
     init; ``variant`` then meets it as it would in a verl process (ours replaces it)."""
-    from fixes.megatron import reclaim
+    from fixes.megatron import apply_recompute_reclaim_patch
+    from fixes.megatron.backward_patch import (
+        default_target,
+        install_backward_wrapper,
+        reset_backward,
+    )
 
     for name in (variant, over or "none"):
         if name not in VARIANTS:
             raise ValueError(f"unknown reclaim variant {name!r}; allowed: {VARIANTS}")
     if over is not None and over not in VERL_RECLAIMS:
         raise ValueError(f"over= takes a verl reclaim, one of {tuple(VERL_RECLAIMS)}; got {over!r}")
-    target = _megatron_checkpoint_function() if target is None else target
-    reclaim.reset_backward(target)
+    target = default_target() if target is None else target
+    reset_backward(target)
     for name in (over, variant):
         if name in VERL_RECLAIMS:
-            if target is not _megatron_checkpoint_function():
+            if target is not default_target():
                 raise ValueError("verl's reclaim patches megatron-core's CheckpointFunction only")
             install_verl_reclaim(VERL_RECLAIMS[name])
         elif name == "resize-all":
-            reclaim.install_backward_wrapper("resize-all", _resize_all, target)
+            install_backward_wrapper("resize-all", _resize_all, target)
         elif name == "ours":
             with warnings.catch_warnings():
                 if over is not None:  # "replaced verl's backward": what this order is about
                     warnings.simplefilter("ignore", RuntimeWarning)
-                reclaim.apply_recompute_reclaim_patch(target)
+                apply_recompute_reclaim_patch(target)

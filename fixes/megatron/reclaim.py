@@ -47,19 +47,27 @@ and ``installed_reclaim()`` reports what is installed *now*.
 
 from __future__ import annotations
 
-import enum
 import functools
-import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from fixes.megatron.pristine import describe, is_own_backward, own_backward, remember_own_backward
-from fixes.megatron.storage import storage_key
+from fixes.megatron.backward_patch import (
+    install_backward_wrapper,
+    installed_reclaim,
+    reset_backward,
+    uninstall_backward_wrapper,
+)
+from fixes.megatron.reclaim_events import (
+    ReclaimAction,
+    ReclaimEvent,
+    emit,
+    recompute_reclaim_events,
+    storage_of,
+)
+from fixes.megatron.reclaim_events import _observers as _observers
 
 __all__ = [
     "PATCH_KIND",
@@ -73,71 +81,6 @@ __all__ = [
 ]
 
 PATCH_KIND = "read-through"
-
-
-class ReclaimAction(enum.StrEnum):
-    """What a reclaim did with one checkpoint input (``role`` input) or checkpoint call
-    (``role`` checkpoint); one meaning each."""
-
-    #: The recompute read the input through the identity node, and once the checkpoint's
-    #: backward had returned nothing referred to the recompute's view of it: the recompute keeps
-    #: none of its memory (a leaked recompute graph holds the stand-in).
-    RELEASED = "released"
-    #: Read through the identity node, and after the backward something outside the recompute
-    #: graph still held the recompute's view (a Python reference, a node that saved it, a view
-    #: of it): that holder keeps it, readable and unchanged, until it lets go.
-    HELD = "held"
-    #: A requires-grad input the reclaim does not route (a tensor subclass, a non-strided
-    #: layout, a recompute run with grad disabled): the recompute got megatron's own detached
-    #: copy, with megatron's semantics, leak included.
-    PASSED = "passed"
-    #: Role checkpoint: the backward did not call ``ctx.run_function`` exactly once, so which
-    #: call's inputs are the checkpoint's is not known: megatron's own result was returned.
-    UNOBSERVED = "unobserved"
-    #: A storage resized to zero bytes: verl's mechanism, in the harness's unfixed reclaims
-    #: only. stackfix's reclaim never emits it.
-    RESIZED = "resized"
-
-
-@dataclass(frozen=True)
-class ReclaimEvent:
-    """One decision of a reclaim about one checkpoint input (or call)."""
-
-    action: ReclaimAction
-    role: str  # "input" | "checkpoint"
-    storage: int  # StorageImpl address at the decision: compare with storage.storage_key
-    nbytes: int
-
-
-_observers: list[list[ReclaimEvent]] = []
-_observers_lock = threading.Lock()
-
-
-@contextmanager
-def recompute_reclaim_events() -> Iterator[list[ReclaimEvent]]:
-    """Collect the ReclaimEvents of every reclaim (any variant) made inside the block."""
-    events: list[ReclaimEvent] = []
-    with _observers_lock:
-        _observers.append(events)
-    try:
-        yield events
-    finally:
-        with _observers_lock:
-            _observers.remove(events)
-
-
-def emit(action: ReclaimAction, role: str, storage: int = 0, nbytes: int = 0) -> None:
-    """Record one decision for every ``recompute_reclaim_events`` block."""
-    if not _observers:
-        return
-    event = ReclaimEvent(ReclaimAction(action), role, storage, nbytes)
-    with _observers_lock:
-        for events in _observers:
-            events.append(event)
-
-
-def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
-    return storage_key(tensor), tensor.untyped_storage().nbytes()
 
 
 # --- the identity node ---------------------------------------------------------------------------
@@ -246,7 +189,7 @@ class _Recompute:
                 continue
             slot = _Slot()
             if _observers:
-                slot.storage = _storage_of(arg)
+                slot.storage = storage_of(arg)
             routed[i] = _ReadThrough.apply(_STAND_IN, arg.detach(), slot)
             slot.view = weakref.ref(routed[i])
             self.slots.append((i, slot))
@@ -266,7 +209,7 @@ class _Recompute:
     def _passed(args) -> None:
         for arg in args:
             if _observers and isinstance(arg, torch.Tensor) and arg.requires_grad:
-                emit(ReclaimAction.PASSED, "input", *_storage_of(arg))
+                emit(ReclaimAction.PASSED, "input", *storage_of(arg))
 
     def hand_over(self, result: tuple) -> tuple:
         for _, slot in self.slots:
@@ -316,120 +259,6 @@ def _reclaiming(backward: Callable) -> Callable:
         return recompute.hand_over(result)
 
     return read_through_backward
-
-
-# --- install / undo ------------------------------------------------------------------------------
-
-_MARK = "__stackfix_reclaim__"
-_install_lock = threading.Lock()
-# target -> the forward that was in place when a stackfix reclaim was installed
-_forwards: dict[type, staticmethod] = {}
-_named: set[tuple[type, int]] = set()  # (target, id of a backward) already named in a warning
-
-
-def _default_target() -> type:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    return mrandom.CheckpointFunction
-
-
-def _current(target: type) -> Callable | None:
-    current = target.__dict__.get("backward")
-    return getattr(current, "__func__", current)
-
-
-def installed_reclaim(target: type | None = None) -> str | None:
-    """What ``target.backward`` (megatron's CheckpointFunction by default) is *now*: a stackfix
-    reclaim's kind (``PATCH_KIND``), None for the module's own backward, or
-    ``"foreign:<module.qualname (file:line)>"`` for anything else (verl's reclaim, say)."""
-    target = _default_target() if target is None else target
-    remember_own_backward(target)
-    fn = _current(target)
-    kind = getattr(fn, _MARK, None)
-    if kind is not None:
-        return kind
-    return None if is_own_backward(target, fn) else f"foreign:{describe(fn)}"
-
-
-def _watching(target: type, forward: Callable, kind: str) -> Callable:
-    """``forward`` that names, once, a backward assigned over the ``kind`` reclaim."""
-
-    @functools.wraps(forward)
-    def forward_watching_backward(ctx, *args, **kwargs):
-        current = _current(target)
-        if getattr(current, _MARK, None) != kind and (target, id(current)) not in _named:
-            _named.add((target, id(current)))
-            warnings.warn(
-                f"{target.__module__}.{target.__qualname__}.backward was replaced by "
-                f"{describe(current)} after stackfix's {kind} reclaim was installed: that "
-                "backward runs now, not stackfix's (verl's reclaim resize_(0)s checkpoint "
-                "inputs; a chunk view shared with another reader then reads freed memory, "
-                "verl #7328). Apply the reclaim after it (apply_recompute_reclaim_patch) or "
-                "install the verl plugin, which keeps verl from assigning it.",
-                RuntimeWarning, stacklevel=3)
-        return forward(ctx, *args, **kwargs)
-
-    setattr(forward_watching_backward, _MARK, kind)
-    return forward_watching_backward
-
-
-def install_backward_wrapper(
-    kind: str, make_wrapper: Callable[[Callable], Callable], target: type | None = None
-) -> bool:
-    """Install ``make_wrapper(own_backward)`` on ``target`` (megatron's CheckpointFunction by
-    default), where ``own_backward`` is the module's own, whatever is installed now: another
-    stackfix reclaim is replaced; a foreign backward is replaced with a ``RuntimeWarning``
-    naming it. ``target.forward`` is wrapped to name a backward assigned later. False if
-    ``kind`` is already what is installed (idempotent)."""
-    target = _default_target() if target is None else target
-    with _install_lock:
-        current = _current(target)
-        if getattr(current, _MARK, None) == kind:
-            return False
-        own = own_backward(target).__func__  # TypeError / RuntimeError before any change
-        if getattr(current, _MARK, None) is None and not is_own_backward(target, current):
-            warnings.warn(
-                f"{target.__module__}.{target.__qualname__}.backward was replaced by "
-                f"{describe(current)}; the {kind} reclaim replaces it and wraps the module's own "
-                "backward instead", RuntimeWarning, stacklevel=3)
-        wrapper = make_wrapper(own)
-        setattr(wrapper, _MARK, kind)
-        target.backward = staticmethod(wrapper)
-        forward = target.__dict__["forward"]
-        if getattr(forward.__func__, _MARK, None) is not None:  # another reclaim's watcher
-            forward = _forwards[target]
-        _forwards[target] = forward
-        target.forward = staticmethod(_watching(target, forward.__func__, kind))
-        return True
-
-
-def _restore(target: type) -> None:
-    target.backward = own_backward(target)
-    forward = target.__dict__.get("forward")
-    if target in _forwards and getattr(getattr(forward, "__func__", None), _MARK, None):
-        target.forward = _forwards.pop(target)
-
-
-def uninstall_backward_wrapper(kind: str, target: type | None = None) -> bool:
-    """Put the module's own backward (and forward) back if ``kind`` is what is installed; else
-    False."""
-    target = _default_target() if target is None else target
-    with _install_lock:
-        if getattr(_current(target), _MARK, None) != kind:
-            return False
-        _restore(target)
-        return True
-
-
-def reset_backward(target: type | None = None) -> str | None:
-    """Put the module's own backward back, whatever is installed (a stackfix reclaim or a
-    foreign one); returns what was installed, as ``installed_reclaim`` says it."""
-    target = _default_target() if target is None else target
-    with _install_lock:
-        was = installed_reclaim(target)
-        if was is not None:
-            _restore(target)
-        return was
 
 
 def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
