@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+from fixes.sanitize._modes import Values
 from repro import run_isolated
 
 pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
@@ -235,14 +236,14 @@ def test_non_reentrant_recompute_stops_after_the_last_saved_tensor():
     assert 0 < sanitizer.ops_compared < 3
 
 
-def test_values_false_compares_ops_but_not_values():
+def test_values_none_compares_ops_but_not_values():
     state = {"scale": 1.0}
     w = torch.randn(8, 8, requires_grad=True)
 
     def f(x):
         return (x @ w * state["scale"]).sin()
 
-    with recompute_sanitizer(values=False) as sanitizer:
+    with recompute_sanitizer(values="none") as sanitizer:
         y = checkpoint(f, torch.randn(4, 8), use_reentrant=False).sum()
         state["scale"] = 2.0
         y.backward()  # other values, same ops: not seen in this mode
@@ -341,7 +342,7 @@ def test_sampled_values_fingerprint_every_nth_saved_tensor():
 
 
 @pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),
-                                             (True, 24), (False, 0)])
+                                             (Values.ALL, 24), (Values.NONE, 0)])
 def test_each_values_mode_fingerprints_what_it_says(values, expected):
     """12 ops, forward and recompute: every op; every 4th and the last (0, 4, 8, 11); none."""
     with recompute_sanitizer(values=values, sample_every=4) as sanitizer:
@@ -356,6 +357,10 @@ def test_bad_values_mode_or_sample_interval_is_refused():
             pass
     with pytest.raises(ValueError, match=r"sample_every must be an int >= 1, got 0"):
         with recompute_sanitizer(values="sampled", sample_every=0):
+            pass
+    # one spelling per mode: a bool meant "all" or "none" before, and read as neither
+    with pytest.raises(ValueError, match=r"values must be one of 'all', 'sampled', 'none'.*True"):
+        with recompute_sanitizer(values=True):
             pass
     with recompute_sanitizer():  # the refusals left nothing active
         pass

@@ -49,6 +49,7 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -203,7 +204,7 @@ _slot = ActiveSlot("recompute_sanitizer()")
 
 
 @contextlib.contextmanager
-def recompute_sanitizer(values: str | bool = "all",
+def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Values.ALL,
                         sample_every: int = 8) -> Iterator[RecomputeSanitizer]:
     """While active, every checkpointed region records its forward and judges each recompute
     against it by what backward uses (the saved tensors of a non-reentrant region, the outputs
@@ -213,21 +214,19 @@ def recompute_sanitizer(values: str | bool = "all",
     reentrant: RuntimeError if active.
 
     ``values`` (a ``Values`` or its name): how much is fingerprinted, besides the metadata of
-    everything and the contents of outside tensors a recompute writes. ``"all"`` (or True):
+    everything and the contents of outside tensors a recompute writes. ``"all"``:
     every saved tensor, output and op of the op stream, so a difference in any of them is
     caught and the error names the first op whose values differ. ``"sampled"``: the outputs,
     every ``sample_every``-th saved tensor and op, each side's last saved tensor and op, and
     the op next to each fingerprinted saved tensor -- a difference that reaches the last saved
     tensor or an output is still caught, and the error names the interval of ops it arose in.
-    ``"none"`` (or False): no fingerprint kernels: metadata and writes outside the regions.
+    ``"none"``: no fingerprint kernels: metadata and writes outside the regions.
     ValueError for anything else."""
-    if values is True or values is False:
-        values = "all" if values else "none"
     if isinstance(values, Values):
         values = values.value
-    if values not in VALUES:
+    if not isinstance(values, str) or values not in VALUES:
         raise ValueError(f"recompute_sanitizer: values must be one of "
-                         f"{', '.join(map(repr, VALUES))} (or True / False), got {values!r}")
+                         f"{', '.join(map(repr, VALUES))} (or a Values), got {values!r}")
     if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
         raise ValueError(f"recompute_sanitizer: sample_every must be an int >= 1, got "
                          f"{sample_every!r}")
