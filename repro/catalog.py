@@ -8,7 +8,7 @@ the module that declares a repro it runs. The file is generated from the ``REPRO
 edited by hand::
 
     python -m repro.catalog          # rewrite repro/catalog.json from discover()
-    python -m repro.catalog --check  # exit 1 when it differs (tests/test_catalog.py runs this)
+    python -m repro.catalog --check  # exit 1 when it differs (tests/test_cli_imports.py runs this)
 
 A repro module added without regenerating is noticed (its module is not in the file) and the
 runner falls back to ``discover()``, with a warning naming the command above.

@@ -33,10 +33,6 @@ def requested() -> tuple[str, ...]:
     return names
 
 
-def sanitizing() -> bool:
-    return bool(requested())
-
-
 @contextlib.contextmanager
 def sanitizers_from_env() -> Iterator[None]:
     """The sanitizers ``STACKFIX_SANITIZE`` names around the block, nothing when it names none."""
