@@ -63,6 +63,16 @@ def _input():
     return h, h * 1.0  # a non-leaf input, only the checkpoint's after ``del``
 
 
+def _step_then_side(checkpoint, segment, w, side) -> dict:
+    """One checkpointed step, then the side result the recompute built, backwarded after it."""
+    h, inp = _input()
+    out = checkpoint(segment, inp)
+    del inp
+    out.sum().backward()
+    side[-1].backward()
+    return {"w.grad": w.grad, "h.grad": h.grad}
+
+
 def offload_weak_pack(checkpoint) -> dict:
     """A CPU-offload ``saved_tensors_hooks`` whose pack keeps a weak reference to the tensor and
     a host copy (unpack prefers the live tensor), around a side result built in the recompute
@@ -85,26 +95,23 @@ def offload_weak_pack(checkpoint) -> dict:
             leak.append(out)
         return out
 
-    h, inp = _input()
-    out = checkpoint(segment, inp)
-    del inp
-    out.sum().backward()
-    side[-1].backward()
-    return {"w.grad": w.grad, "h.grad": h.grad}
+    return _step_then_side(checkpoint, segment, w, side)
 
 
-class _ScaleBy(torch.autograd.Function):
-    """Receives the tensor it saves inside a list (not as an autograd input of its own)."""
+class BoxedScale(torch.autograd.Function):
+    """``(box[0] * w).sum()``, given the tensor it saves inside a list (not as an autograd input
+    of its own): only ``w`` gets a gradient, read from the saved tensor in its backward."""
 
     @staticmethod
     def forward(ctx, w, box):
         ctx.save_for_backward(box[0])
+        ctx.w_shape = w.shape
         return (box[0].detach() * w).sum()
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return grad * x.detach().sum(dim=0), None
+        return grad * x.detach().sum_to_size(ctx.w_shape), None
 
 
 def function_given_a_list(checkpoint) -> dict:
@@ -115,15 +122,10 @@ def function_given_a_list(checkpoint) -> dict:
 
     def segment(x):
         if torch.is_grad_enabled():
-            side.append(_ScaleBy.apply(w, [x]))
+            side.append(BoxedScale.apply(w, [x]))
         return lin(x).tanh()
 
-    h, inp = _input()
-    out = checkpoint(segment, inp)
-    del inp
-    out.sum().backward()
-    side[-1].backward()
-    return {"w.grad": w.grad, "h.grad": h.grad}
+    return _step_then_side(checkpoint, segment, w, side)
 
 
 def no_grad_view(checkpoint) -> dict:

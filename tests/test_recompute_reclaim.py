@@ -36,6 +36,7 @@ import torch.utils.checkpoint as tcp
 from alias_ops import GRAD_VIEW_OPS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reclaim_readers import BoxedScale
 from torch import nn
 
 from fixes.megatron import (
@@ -107,20 +108,6 @@ def _weak_unpack(packed):
     return live if live is not None else packed[1]
 
 
-class _Boxed(torch.autograd.Function):
-    """Saves the tensor it gets inside a list (not an autograd input of its own)."""
-
-    @staticmethod
-    def forward(ctx, w, box):
-        ctx.save_for_backward(box[0])
-        return (box[0].detach() * w).sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * x.detach().sum(), None
-
-
 def _segment(graph, seg, holders):
     def body(*inputs):
         t = inputs[0] * 1.0 if len(inputs) == 1 else sum(x.sum() for x in inputs) + inputs[0]
@@ -137,7 +124,7 @@ def _segment(graph, seg, holders):
                 with torch.autograd.graph.saved_tensors_hooks(_weak_pack, _weak_unpack):
                     holders.side.append((inputs[0] * seg.w).square().sum())
             if graph["boxed"]:
-                holders.side.append(_Boxed.apply(seg.w, [inputs[-1]]))
+                holders.side.append(BoxedScale.apply(seg.w, [inputs[-1]]))
             if graph["nograd_view"]:
                 with torch.no_grad():
                     holders.views.append(inputs[0][..., :1])
