@@ -6,8 +6,9 @@ and its step-time cost.
 One child interpreter per (model, device): build, the model's first step under the sanitizer,
 then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA within
 what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved (none, full,
-sampled, metadata-only; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``: regions and
-ops compared, the gradient distances, per mode the median step time and the median of the
+sampled, metadata-only, and the interception floor -- the sanitizer's dispatch mode passing every
+op through, ``_interception_floor``; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``:
+regions and ops compared, the gradient distances, per mode the median step time and the median of the
 step-by-step ratios, each with every step (``*_repeats``).
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
@@ -32,9 +33,34 @@ import time
 
 from benchmarks._spread import interleaved, ratios_to
 
-# mode name -> recompute_sanitizer(values=...)
+# mode name -> recompute_sanitizer(values=...); "recompute-floor": its interception alone
 MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
-         "recompute-metadata": "none"}
+         "recompute-metadata": "none", "recompute-floor": "floor"}
+
+
+@contextlib.contextmanager
+def _interception_floor():
+    """``recompute_sanitizer()``'s regions, hooks and dispatch mode with every op passed
+    straight through the mode (nothing recorded, nothing judged): what intercepting the
+    regions' ops costs before the sanitizer does anything with them -- the floor under every
+    mode on this host. Benchmark-only; put back on exit."""
+    import torch
+
+    from fixes.sanitize import _region, recompute_sanitizer
+
+    mode_class = _region._SideMode
+    own = mode_class.__dict__["__torch_dispatch__"]
+
+    def passed_through(self, func, types_, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+    # wrapped as TorchDispatchMode wraps the sanitizer's own (torch._disable_dynamo)
+    mode_class.__torch_dispatch__ = torch._disable_dynamo(passed_through, recursive=True)
+    try:
+        with recompute_sanitizer(values="none"):
+            yield
+    finally:
+        mode_class.__torch_dispatch__ = own
 
 
 def _mode(name: str):
@@ -42,6 +68,8 @@ def _mode(name: str):
 
     if MODES[name] is None:
         return contextlib.nullcontext()
+    if MODES[name] == "floor":
+        return _interception_floor()
     return recompute_sanitizer(values=MODES[name])
 
 
@@ -117,7 +145,7 @@ def _profile(step, path: str) -> None:
     """One sanitized step per mode under cProfile: the host functions by own time."""
     out = io.StringIO()
     for name in MODES:
-        if MODES[name] is None:
+        if MODES[name] in (None, "floor"):
             continue
         profiler = cProfile.Profile()
         with _mode(name):

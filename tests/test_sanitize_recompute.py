@@ -236,7 +236,7 @@ def test_non_reentrant_recompute_stops_after_the_last_saved_tensor():
     assert 0 < sanitizer.ops_compared < 3
 
 
-def test_values_none_compares_ops_but_not_values():
+def test_values_none_compares_metadata_not_values_and_keeps_no_op_stream():
     state = {"scale": 1.0}
     w = torch.randn(8, 8, requires_grad=True)
 
@@ -246,8 +246,38 @@ def test_values_none_compares_ops_but_not_values():
     with recompute_sanitizer(values="none") as sanitizer:
         y = checkpoint(f, torch.randn(4, 8), use_reentrant=False).sum()
         state["scale"] = 2.0
-        y.backward()  # other values, same ops: not seen in this mode
-    assert sanitizer.ops_compared >= 2
+        y.backward()  # other values, same metadata: not seen in this mode
+    assert sanitizer.recomputes == 1 and sanitizer.saved_compared >= 2
+    assert sanitizer.ops_compared == 0 and sanitizer.fingerprints == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_values_none_still_names_a_metadata_change_and_an_outside_write(reentrant):
+    """Without an op stream ``none`` still judges: a saved tensor or output of other shape,
+    and a write outside the region (with the write's own site), unlocated otherwise."""
+    state = {"n": 4}
+    counter = torch.zeros(())
+
+    def shape_changes(x):
+        return (x[: state["n"]] * 2.0).sin()
+
+    with pytest.raises(RecomputeMismatchError, match="values='all' locates") as error:
+        with recompute_sanitizer(values="none"):
+            y = checkpoint(shape_changes, torch.randn(6, 8, requires_grad=True),
+                           use_reentrant=reentrant).sum()
+            state["n"] = 3
+            y.backward()
+    assert error.value.position is None
+
+    def counts(x):
+        counter.add_(1)
+        return x.sin()
+
+    with pytest.raises(RecomputeMismatchError, match=r"Recompute op at .*in counts") as error:
+        with recompute_sanitizer(values="none"):
+            checkpoint(counts, torch.randn(6, 8, requires_grad=True),
+                       use_reentrant=reentrant).sum().backward()
+    assert error.value.verdict.name == "SIDE_EFFECT" and float(counter) == 1.0
 
 
 def test_a_scratch_buffer_allocated_by_the_first_forward_only_is_no_difference():
@@ -344,11 +374,13 @@ def test_sampled_values_fingerprint_every_nth_saved_tensor():
 @pytest.mark.parametrize("values,expected", [("all", 24), ("sampled", 8), ("none", 0),
                                              (Values.ALL, 24), (Values.NONE, 0)])
 def test_each_values_mode_fingerprints_what_it_says(values, expected):
-    """12 ops, forward and recompute: every op; every 4th and the last (0, 4, 8, 11); none."""
+    """12 ops, forward and recompute: every op; every 4th and the last (0, 4, 8, 11); none
+    (and no op stream either)."""
     with recompute_sanitizer(values=values, sample_every=4) as sanitizer:
         checkpoint(_chain({"scale": 1.0}, 6), torch.randn(4, 8, requires_grad=True),
                    use_reentrant=True).sum().backward()
-    assert (sanitizer.ops_compared, sanitizer.fingerprints) == (12, expected)
+    streamed = 0 if Values(values) is Values.NONE else 12
+    assert (sanitizer.ops_compared, sanitizer.fingerprints) == (streamed, expected)
 
 
 def test_bad_values_mode_or_sample_interval_is_refused():

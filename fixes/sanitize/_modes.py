@@ -10,7 +10,9 @@ class Values(enum.StrEnum):
 
     ALL = "all"  # every op of the op stream, every saved tensor, every output
     SAMPLED = "sampled"  # every n-th op and saved tensor, each side's last, every output
-    NONE = "none"  # no fingerprint kernels: metadata and writes outside the region only
+    # no fingerprint kernels and no op stream: the metadata of what backward uses and the
+    # writes outside the region only; an error is not located (``all`` locates it)
+    NONE = "none"
 
 
 VALUES = tuple(v.value for v in Values)

@@ -10,6 +10,11 @@ recompute ends (also when it stops early, after its last saved tensor) the verdi
 (``_verdict``) compares it with its forward and raises ``RecomputeMismatchError`` if backward
 would use something the recompute made differently, located in the op streams.
 
+In ``none`` mode a side keeps no op stream: an op that writes none of its arguments is passed
+on with nothing recorded (a recompute notes the storages it makes), and only writing ops are
+classified -- for writes outside the region (a recompute) and ``update`` declarations (a
+forward). ``declared_ops`` then counts declared writing ops only.
+
 Ops are counted without autograd's detaches, allocations (``_fingerprint.ALLOCATIONS``: whether
 a cache allocates depends on its state, not on the region), the ops of the checkpoint's own
 hooks and of ``fixes.recompute`` (``_opsite``), and the ops of declared intended differences
@@ -74,6 +79,14 @@ class _SideMode(TorchDispatchMode):
         if side.region.broken is not None:
             return func(*args, **kwargs)
         op = info(func)
+        if side.light and not op.written:  # ``none``: only writes are looked at (below)
+            out = func(*args, **kwargs)
+            if side.tracks_created:
+                try:
+                    side.created(op, fp.tensors(out))
+                except Exception as exc:
+                    side.fail(exc)
+            return out
         try:
             site, declared = side.classify(func, op)
             held = side.before(func, op, args, kwargs, site, declared) if op.written else None
@@ -92,10 +105,15 @@ class _Side:
     """What one side of a region (its forward, or one recompute) ran and saved."""
 
     forward_side = True
+    tracks_created = False  # a recompute tells the tensors it made from outside ones
 
     def __init__(self, region: Region):
         self.region = region
         mode = region.values
+        # ``none`` keeps no op stream: the verdict (metadata, writes outside the region) needs
+        # none, and an op no one writes is passed on with nothing recorded (issue 34: the
+        # per-op records were most of this mode's cost, to locate what it rarely finds)
+        self.light = mode is Values.NONE
         self.stream = OpStream(mode, region.stats.sample_every)
         self.saved = SavedTensors(self.stream, self.forward_side, self.fail,
                                   len(region.forward.saved.entries)
@@ -139,7 +157,8 @@ class _Side:
             if declared is not None:
                 self.region.stats.declared_ops += 1
             return
-        self.stream.add(func, outs, op, site)
+        if not self.light:
+            self.stream.add(func, outs, op, site)
 
     def created(self, op, outs) -> None:
         pass
@@ -203,6 +222,7 @@ class Replay(_Side):
     """One recompute of a region, judged against its forward when it ends (a context manager)."""
 
     forward_side = False
+    tracks_created = True
 
     def __init__(self, region: Region):
         super().__init__(region)

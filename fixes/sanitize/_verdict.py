@@ -40,6 +40,15 @@ class Finding:
     written: list[Written] | None = None  # side effects: the tensors to give back
 
 
+_NO_STREAM = Location(Divergence.UNLOCATED, None, None,
+                      "values='none' keeps no op stream; values='all' locates the first op "
+                      "that differs")
+
+
+def _locate(alignment: Alignment, replay) -> Location:
+    return _NO_STREAM if replay.light else alignment.locate(replay.sampled)
+
+
 def _first(pairs: list) -> int | None:
     """The first index whose (forward, recompute) metadata or, where both were fingerprinted,
     values differ."""
@@ -54,7 +63,7 @@ def _first(pairs: list) -> int | None:
 def saved_finding(forward, replay, alignment: Alignment) -> Finding | None:
     f_entries, r_entries = forward.saved.entries, replay.saved.entries
     if len(r_entries) < len(f_entries) and not replay.stopped_early:
-        location = alignment.locate(replay.sampled)
+        location = _locate(alignment, replay)
         return Finding(Verdict.SAVED_COUNT, f"saved tensor #{len(r_entries)}",
                        f"the forward saved {len(f_entries)} tensors for backward, the "
                        f"recompute {len(r_entries)}", location)
@@ -72,10 +81,10 @@ def saved_finding(forward, replay, alignment: Alignment) -> Finding | None:
     if f.written_at is not None and replay.stopped_early:
         location = alignment.early_stop(f.written_at)
     if location is None:
-        location = alignment.locate(replay.sampled)
-    where = _between(forward.stream.records, f.position)
-    item = (f"saved tensor #{index} of {len(f_entries)} ({describe_meta(f.meta)[1:-1]}, saved "
-            f"{where})")
+        location = _locate(alignment, replay)
+    where = "" if replay.light else f", saved {_between(forward.stream.records, f.position)}"
+    item = f"saved tensor #{index} of {len(f_entries)} ({describe_meta(f.meta)[1:-1]}{where})"
+
     return Finding(Verdict.SAVED_TENSOR, item, detail, location)
 
 
@@ -92,12 +101,12 @@ def output_finding(forward, replay, alignment: Alignment) -> Finding | None:
     if len(f_outs) != len(r_outs):
         return Finding(Verdict.OUTPUT, "the outputs",
                        f"the forward returned {len(f_outs)} tensors, the recompute "
-                       f"{len(r_outs)}", alignment.locate(replay.sampled))
+                       f"{len(r_outs)}", _locate(alignment, replay))
     index = _first([(a[0], b[0], a[1], b[1]) for a, b in zip(f_outs, r_outs, strict=True)])
     if index is None:
         return None
     (f_meta, f_print, _), (r_meta, r_print, _) = f_outs[index], r_outs[index]
-    location = alignment.locate(replay.sampled)
+    location = _locate(alignment, replay)
     if (alignment.is_lowering(location)
             and all(a[0] == b[0] for a, b in zip(f_outs, r_outs, strict=True))
             and _first([(a[0], b[0], a[2], b[2]) for a, b in zip(f_outs, r_outs, strict=True)])
@@ -123,9 +132,10 @@ def side_effect_finding(forward, replay, alignment: Alignment) -> Finding | None
               "the recompute leaves it changed, so the forward's update would be applied a "
               "second time")
     more = f"; {len(changed) - 1} more such tensors" if len(changed) > 1 else ""
+    at = None if replay.light else w.position  # ``none``: no op stream, no position
     location = Location(Divergence.SIDE_EFFECT,
-                        alignment.forward_of(w.position) if w.recorded else None,
-                        w.position, detail + more, op=w.op, recompute_site=w.site)
+                        alignment.forward_of(w.position) if w.recorded and at is not None
+                        else None, at, detail + more, op=w.op, recompute_site=w.site)
     return Finding(Verdict.SIDE_EFFECT, f"a tensor outside the region ({shape})", detail,
                    location, written=changed)
 
@@ -169,6 +179,8 @@ def raise_for(finding: Finding, region, forward, replay) -> None:
     position = loc.recompute if loc.recompute is not None else loc.forward
     if loc.what is Divergence.UNLOCATED:
         where = f"differs from its forward, not located in the op stream ({loc.detail})"
+    elif position is None:
+        where = f"differs from its forward ({loc.what}): {loc.detail}"
     else:
         where = f"differs from its forward at op #{position} ({loc.what}): {loc.detail}"
     if loc.interval is not None:
@@ -176,7 +188,9 @@ def raise_for(finding: Finding, region, forward, replay) -> None:
                   f"ops next to its sampled saved tensors are fingerprinted; the first "
                   f"difference is at one of ops #{loc.interval[0]} to #{loc.interval[1]})")
     sites = ""
-    if loc.what is not Divergence.UNLOCATED:
+    if replay.light and recompute_site:  # ``none``: the write's own site, no forward op
+        sites = f" Recompute op at {describe_site(recompute_site)}."
+    elif loc.what is not Divergence.UNLOCATED:
         sites = (f" Forward op at {_site_or(forward_site, 'the forward')}; recompute op at "
                  f"{_site_or(recompute_site, 'the recompute')}.")
     message = f"recompute of checkpointed region {region.name()} {where}.{sites}"

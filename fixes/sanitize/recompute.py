@@ -220,8 +220,9 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     every ``sample_every``-th saved tensor and op, each side's last saved tensor and op, and
     the op next to each fingerprinted saved tensor -- a difference that reaches the last saved
     tensor or an output is still caught, and the error names the interval of ops it arose in.
-    ``"none"``: no fingerprint kernels: metadata and writes outside the regions.
-    ValueError for anything else."""
+    ``"none"``: no fingerprint kernels and no op stream: metadata and writes outside the
+    regions, and an error that names what differs (and a write's own site) but not where
+    the recompute departs. ValueError for anything else."""
     if isinstance(values, Values):
         values = values.value
     if not isinstance(values, str) or values not in VALUES:
