@@ -367,6 +367,13 @@ def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     got, engine = init_scenario(kind, "cuda", size, root)
+    # megatron-core 0.16.1's MoE router reads moe_utils.te_general_gemm, bound only where
+    # Transformer Engine imports (H200 without TE: NameError in the first train_batch); bound to
+    # None, the value of its own torch fallback (fixes/testing/megatron_cpu.py, part 5; a no-op
+    # where it is bound). No config field avoids that read.
+    from fixes.testing.megatron_cpu import bind_missing_te_general_gemm
+
+    got["te_general_gemm_bound"] = bind_missing_te_general_gemm()
     if reclaim == "none":
         from megatron.core.tensor_parallel.random import CheckpointFunction
 

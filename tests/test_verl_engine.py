@@ -164,6 +164,45 @@ def test_engine_init_on_cpu_installs_no_reclaim_and_stops_at_the_first_cuda_call
     assert stop["verl_frame"] == "verl/utils/megatron_utils.py:507", stop
 
 
+# --- CPU: megatron-core 0.16.1's MoE router without Transformer Engine, CUDA or not -------------
+
+
+@pytest.mark.cpu
+def test_the_moe_router_gemm_without_transformer_engine_takes_megatrons_torch_path(monkeypatch):
+    """megatron-core 0.16.1 binds ``moe_utils.te_general_gemm`` only where TE imports; its
+    router reads it on every call (H200 without TE: ``NameError`` in verl's engine, MoE).
+    ``install_megatron_cpu_moe_shim`` binds it to ``None`` where CUDA is present too (its CPU
+    device part stays off there), and the router's gating GEMM then runs megatron's own torch
+    path, forward and backward."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from fixes.testing import megatron_cpu
+
+    if getattr(moe_utils, "HAVE_TE", False):
+        pytest.skip("Transformer Engine is installed: megatron binds te_general_gemm itself")
+    bound = hasattr(moe_utils, "te_general_gemm")
+    # the binding is undone after the test where this megatron-core left the name unbound
+    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    if not bound:
+        monkeypatch.delattr(moe_utils, "te_general_gemm")
+    current_device = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on the H200
+    assert megatron_cpu.install_megatron_cpu_moe_shim() is False  # no CPU device part
+    assert torch.cuda.current_device is current_device
+    assert moe_utils.te_general_gemm is None
+    assert megatron_cpu.bind_missing_te_general_gemm() is False  # bound already: a no-op
+    generator = torch.Generator().manual_seed(0)
+    inp = torch.randn(3, 5, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(4, 8, generator=generator, requires_grad=True)
+    logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    torch.testing.assert_close(logits, inp @ weight.t())
+    logits.sum().backward()
+    torch.testing.assert_close(inp.grad, weight.sum(0).expand(3, 5, 8))
+    torch.testing.assert_close(weight.grad, inp.detach().sum((0, 1)).expand(4, 8))
+
+
 # --- CPU: the shim's model is the Hugging Face model ----------------------------------------------
 
 _PARITY_CHILD = """
