@@ -180,13 +180,10 @@ def test_the_moe_router_gemm_without_transformer_engine_takes_megatrons_torch_pa
 
     from fixes.testing import megatron_cpu
 
-    if getattr(moe_utils, "HAVE_TE", False):
-        pytest.skip("Transformer Engine is installed: megatron binds te_general_gemm itself")
-    bound = hasattr(moe_utils, "te_general_gemm")
-    # the binding is undone after the test where this megatron-core left the name unbound
+    # megatron-core 0.16.1 without TE: the name unbound (as here in the dev env; where TE or
+    # megatron-core 0.19 bound it, unbound for the test); put back as it was after the test
     monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-    if not bound:
-        monkeypatch.delattr(moe_utils, "te_general_gemm")
+    monkeypatch.delattr(moe_utils, "te_general_gemm")
     current_device = torch.cuda.current_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on the H200
     assert megatron_cpu.install_megatron_cpu_moe_shim() is False  # no CPU device part
