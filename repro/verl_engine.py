@@ -18,11 +18,18 @@ Scenarios:
   when CUDA is available), what ``installed_reclaim()`` says then, then ``initialize()`` (the
   bridge's config, the model, weights, optimizer). On a CPU-only machine ``initialize()``
   stops at the first CUDA call it makes; the scenario reports that frame.
-* ``train`` (CUDA): ``init``, then ``--steps`` training steps through the engine's own
-  ``train_batch`` (zero grad, megatron's forward/backward schedule, optimizer step) on one
-  fixed batch: per step the loss, grad norm, a digest of every parameter's main grad and of the
-  parameters after the step, memory and time. ``--reclaim none`` puts megatron-core's own
-  backward back after the engine's init (the no-reclaim reference).
+* ``train`` (CUDA): ``init``, then ``--steps`` training steps as verl's ``TrainingWorker``
+  runs them (the engine's own ``train_batch``: zero grad, megatron's forward/backward
+  schedule, optimizer step; then the LR scheduler step) on one fixed batch, built as verl's SFT
+  trainer builds it (``engine_batch``: nested, no padding, with the trainer's and the
+  worker's meta) and verl's ``sft_loss``: per step the loss, grad norm, a digest of every
+  parameter's main grad and of the parameters after the step, memory and time. ``--reclaim
+  none`` puts megatron-core's own backward back after the engine's init (the no-reclaim
+  reference).
+* ``loss`` (CPU): ``init``, then the engine's own ``forward_backward_batch`` on the batch
+  ``train`` uses, with verl's ``sft_loss``, a stand-in model (logits from one table) and a
+  stand-in for megatron's schedule (both need CUDA): the batch layout and verl's loss path as
+  released, checked against the loss computed by hand.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pathlib import Path
 import torch
 
 KINDS = ("dense", "moe")
-SCENARIOS = ("init", "train")
+SCENARIOS = ("init", "train", "loss")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,7 +152,10 @@ def engine_configs(path: Path, kind: str, device: str, size: ModelSize):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 
-    model = HFModelConfig(path=str(path))
+    # use_remove_padding as the engine's (below): the SFT trainer's meta and TrainingWorker's
+    # default read the model config's (verl/trainer/sft_trainer.py:344,
+    # verl/workers/engine_workers.py:353); the Megatron engine itself reads the engine config's
+    model = HFModelConfig(path=str(path), use_remove_padding=False)
     engine = McoreEngineConfig(
         vanilla_mbridge=True,  # mbridge: Megatron-Bridge requires Transformer Engine
         dtype="bfloat16",  # McoreEngineConfig takes bfloat16 or float16 only
@@ -281,29 +291,82 @@ def init_scenario(kind: str, device: str, size: ModelSize, root: Path):
 # --- a training step ----------------------------------------------------------------------------
 
 
-def fixed_batch(size: ModelSize, seed: int = 1):
-    """verl's no-padding TensorDict, made as verl's own engine test makes it
-    (tests/models/test_engine.py: DataProto -> to_tensordict -> left_right_2_no_padding):
-    right half the response, rows of different lengths (one left-padded, one right-padded)."""
-    from verl import DataProto
-    from verl.utils.model import compute_position_id_with_mask
-    from verl.workers.utils.padding import left_right_2_no_padding
-
+def sft_samples(size: ModelSize, seed: int = 1) -> list[dict]:
+    """``size.batch`` samples as verl 0.9.1's SFT dataset returns them in its default pad mode,
+    ``no_padding`` (``verl/utils/dataset/multiturn_sft_dataset.py``:404-421: 1-D
+    ``input_ids``, ``position_ids`` = ``arange(len)`` (:362), ``loss_mask`` 0 on the prompt, 1
+    on the response, the dtype of the attention mask (:235-239)): rows of different lengths,
+    the first ``size.seq_len`` long, each one's second half the response."""
     generator = torch.Generator().manual_seed(seed)
     b, s = size.batch, size.seq_len
-    input_ids = torch.randint(4, size.vocab, (b, s), generator=generator)
-    attention_mask = torch.ones(b, s, dtype=torch.long)
-    attention_mask[0, : s // 8] = 0
-    attention_mask[-1, s - s // 16:] = 0
-    data = DataProto.from_single_dict(
-        {"input_ids": input_ids, "attention_mask": attention_mask,
-         "position_ids": compute_position_id_with_mask(attention_mask),
-         "responses": input_ids[:, s // 2:], "response_mask": attention_mask[:, s // 2:]},
-        # what TrainingWorker.train_batch assigns before calling the engine
-        meta_info={"temperature": 1.0, "use_remove_padding": False, "use_dynamic_bsz": False,
-                   "micro_batch_size_per_gpu": b, "use_fused_kernels": False},
-    )
-    return left_right_2_no_padding(data.to_tensordict())
+    samples = []
+    for row in range(b):
+        n = s - (row * s) // (4 * b)
+        prompt = n // 2
+        samples.append({
+            "input_ids": torch.randint(4, size.vocab, (n,), generator=generator),
+            "position_ids": torch.arange(n, dtype=torch.long),
+            "loss_mask": torch.cat([torch.zeros(prompt, dtype=torch.long),
+                                    torch.ones(n - prompt, dtype=torch.long)]),
+        })
+    return samples
+
+
+def sft_batch(samples: list[dict], model_config, engine_config, global_batch_size: int):
+    """The TensorDict verl 0.9.1's SFT trainer hands ``engine.train_batch``, built with verl's
+    own helpers, as ``SFTTrainer`` and ``TrainingWorker`` build it (one data-parallel rank):
+
+    * ``SFTTensorCollator(no_padding)`` (the trainer's collate_fn,
+      ``verl/trainer/sft_trainer.py``:242; ``verl/utils/dataset/dataset_utils.py``:52-80):
+      jagged nested ``input_ids`` / ``position_ids`` / ``loss_mask``, the layout ``sft_loss``
+      reads (``verl/workers/utils/losses.py``:35-41: ``loss_mask.values()``);
+    * ``tu.get_tensordict`` with the trainer's ``meta_info`` (``sft_trainer.py``:343-374), then
+      ``update_lr_scheduler`` and ``global_token_num`` (:375-379; ``_get_batch_seqlens``
+      :272-292 with dp 1: the nested lengths);
+    * the keys ``TrainingWorker.train_batch`` fills in from the configs where the batch lacks
+      them (``verl/workers/engine_workers.py``:351-362).
+
+    ``batch_num_tokens``, ``dp_size`` and ``num_micro_batch`` are the engine's own
+    (``forward_backward_batch``, ``verl/workers/engine/megatron/transformer_impl.py``:840-848,
+    932)."""
+    from tensordict import NonTensorData
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
+    collated = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
+    meta_info = {  # SFTTrainer.fit, with this engine's configs in place of the trainer's
+        "use_remove_padding": model_config.use_remove_padding,
+        "use_dynamic_bsz": engine_config.use_dynamic_bsz,
+        "max_token_len_per_gpu": engine_config.max_token_len_per_gpu,
+        "micro_batch_size_per_gpu": engine_config.micro_batch_size_per_gpu,
+        "temperature": 1.0,
+        "global_batch_size": global_batch_size,
+        "pad_mode": DatasetPadMode.NO_PADDING,
+        "pad_token_id": model_config.tokenizer.pad_token_id,
+    }
+    data = tu.get_tensordict(tensor_dict=collated, non_tensor_dict=meta_info)
+    batch_seqlens = data["input_ids"].offsets().diff().tolist()
+    # NonTensorData: otherwise the list is taken for a NonTensorStack (sft_trainer.py:376)
+    tu.assign_non_tensor(data, update_lr_scheduler=True,
+                         global_token_num=NonTensorData(batch_seqlens))
+    defaults = {  # TrainingWorker.train_batch
+        "use_remove_padding": model_config.get("use_remove_padding", False),
+        "use_dynamic_bsz": engine_config.use_dynamic_bsz,
+        "max_token_len_per_gpu": engine_config.max_token_len_per_gpu,
+        "micro_batch_size_per_gpu": engine_config.micro_batch_size_per_gpu,
+        "use_fused_kernels": engine_config.use_fused_kernels,
+    }
+    for key, value in defaults.items():
+        if key not in data.keys():
+            tu.assign_non_tensor(data, **{key: value})
+    return data
+
+
+def engine_batch(engine, size: ModelSize, seed: int = 1):
+    """``sft_batch`` of ``sft_samples`` for ``engine`` (its own model and engine configs), the
+    whole batch one micro-batch (``micro_batch_size_per_gpu`` = ``size.batch``)."""
+    return sft_batch(sft_samples(size, seed), engine.model_config, engine.engine_config,
+                     global_batch_size=size.batch)
 
 
 def _digest(tensors) -> str:
@@ -313,13 +376,23 @@ def _digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
-def train_step(engine, data) -> dict:
-    """One ``engine.train_batch`` inside ``engine.train_mode()`` (as TrainingWorker does),
-    measured: loss, grad norm, digests of the main grads and the updated parameters, bytes
-    allocated before / after / at peak, seconds."""
+def sft_loss_function():
+    """The loss verl's SFT trainer sets on its worker: ``partial(sft_loss, config=None)``
+    (``verl/trainer/sft_trainer.py``:163)."""
     from functools import partial
 
     from verl.workers.utils.losses import sft_loss
+
+    return partial(sft_loss, config=None)
+
+
+def train_step(engine, data) -> dict:
+    """One step as ``TrainingWorker.train_batch`` runs it (``verl/workers/engine_workers.py``:
+    364-376): ``engine.train_batch`` (zero grad, forward/backward, optimizer step) inside
+    ``engine.train_mode()``, then ``lr_scheduler_step()`` (the batch asks for it:
+    ``update_lr_scheduler``). Measured: loss, grad norm, digests of the main grads and the
+    updated parameters, bytes allocated before / after / at peak, seconds."""
+    from verl.utils import tensordict_utils as tu
 
     params = [p for chunk in engine.module for p in chunk.parameters()]
     torch.cuda.synchronize()
@@ -327,7 +400,9 @@ def train_step(engine, data) -> dict:
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with engine.train_mode():
-        out = engine.train_batch(data.clone(), loss_function=partial(sft_loss, config=None))
+        out = engine.train_batch(data.clone(), loss_function=sft_loss_function())
+    if tu.get(data, key="update_lr_scheduler", default=False):
+        engine.lr_scheduler_step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     grads = [getattr(p, "main_grad", None) for p in params]
@@ -367,6 +442,13 @@ def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     got, engine = init_scenario(kind, "cuda", size, root)
+    # megatron-core 0.16.1's MoE router reads moe_utils.te_general_gemm, bound only where
+    # Transformer Engine imports (H200 without TE: NameError in the first train_batch); bound to
+    # None, the value of its own torch fallback (fixes/testing/megatron_cpu.py, part 5; a no-op
+    # where it is bound). No config field avoids that read.
+    from fixes.testing.megatron_cpu import bind_missing_te_general_gemm
+
+    got["te_general_gemm_bound"] = bind_missing_te_general_gemm()
     if reclaim == "none":
         from megatron.core.tensor_parallel.random import CheckpointFunction
 
@@ -374,11 +456,107 @@ def train_scenario(kind: str, size: ModelSize, root: Path, steps: int, reclaim: 
 
         install_reclaim("none", CheckpointFunction)  # megatron-core's own backward again
     got["installed_for_steps"] = installed_reclaim()
-    data = fixed_batch(size)
+    data = engine_batch(engine, size)
     probe = _checkpoint_inputs_probe()
     got["steps"] = [train_step(engine, data) for _ in range(steps)]
     got["checkpoint_inputs"] = probe
     got["gpu"] = torch.cuda.get_device_name()
+    return got
+
+
+# --- CPU: verl's batch through the engine's own loss path -----------------------------------------
+
+
+class _StandInLM(torch.nn.Module):
+    """The model on CPU: logits ``table[input_ids]`` (one trainable ``[vocab, vocab]`` table),
+    in the shape and dtype megatron's GPT model hands verl's engine (``[b, s, vocab]`` fp32,
+    bshd). Only the batch layout and verl's loss path are under test here: no layer, no
+    recompute, no reclaim."""
+
+    def __init__(self, config, vocab: int, seed: int = 2):
+        super().__init__()
+        # what verl's forward reads of megatron's GPTModel: its config (fp8,
+        # experimental_attention_variant) and the pipeline stage (one stage: first and last)
+        self.config = config
+        self.pre_process = self.post_process = True
+        self.table = torch.nn.Parameter(
+            torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        return self.table[input_ids]
+
+
+def _one_microbatch_at_a_time(*, forward_step_func, data_iterator, model, num_microbatches,
+                              forward_only, **kwargs):
+    """Stands in for megatron's ``forward_backward_no_pipelining`` on CPU (it allocates its
+    token count on CUDA, ``pipeline_parallel/schedules.py``:596): per micro-batch the engine's
+    forward step, its loss function on the output, ``loss / num_microbatches`` backward (as
+    ``forward_step_calc_loss`` / ``backward_step`` do), the loss functions' outputs
+    collected."""
+    (model,) = model if isinstance(model, list) else [model]
+    (data_iterator,) = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    store = []
+    for _ in range(num_microbatches):
+        output, loss_func = forward_step_func(data_iterator, model)
+        loss, reduced = loss_func(output)
+        if not forward_only:
+            (loss / num_microbatches).backward()
+        store.append(reduced)
+    return store
+
+
+def _reference_sft_loss(samples: list[dict], table: torch.Tensor) -> float:
+    """sft_loss by hand from the samples: minus the mean log-probability of each response token
+    given the token before it."""
+    total, tokens = 0.0, 0
+    for sample in samples:
+        ids, mask = sample["input_ids"], sample["loss_mask"]
+        logp = torch.log_softmax(table[ids[:-1]].double(), dim=-1)
+        picked = logp.gather(-1, ids[1:, None])[:, 0]
+        total += float((picked * mask[1:]).sum())
+        tokens += int(mask.sum())
+    return -total / tokens
+
+
+def loss_scenario(kind: str, size: ModelSize, root: Path) -> dict:
+    """CPU: the engine built as far as CPU allows (``init``), then its own
+    ``forward_backward_batch`` on the batch ``train`` hands it (``engine_batch``), with
+    verl's loss (``sft_loss_function``), verl's micro-batching, forward step (bshd padding and
+    unpadding, label roll, temperature, log-probs from logits) and loss postprocessing as
+    released; stand-ins for the model (``_StandInLM``) and megatron's schedule only. Reports the
+    loss against ``_reference_sft_loss`` and the layout verl saw."""
+    got, engine = init_scenario(kind, "cpu", size, root)
+    if engine is None:  # verl 0.8.0: its __init__ stops on CPU (got["init_stop"])
+        return got
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron import transformer_impl
+
+    from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
+
+    # verl's get_device_id() is torch.cuda.current_device(): on a CPU-only build it names the
+    # CPU through the project's shim
+    install_megatron_cpu_moe_shim()
+    transformer_impl.get_forward_backward_func = lambda: _one_microbatch_at_a_time
+    model = _StandInLM(engine.tf_config, size.vocab)
+    engine.module = [model]
+    samples = sft_samples(size)
+    data = engine_batch(engine, size)
+    layout = {key: bool(data[key].is_nested) for key in ("input_ids", "position_ids",
+                                                          "loss_mask")}
+    given = data.clone()  # as train_step hands it over (the engine adds its keys to it)
+    out = engine.forward_backward_batch(given, loss_function=sft_loss_function(),
+                                        forward_only=False)
+    got.update(
+        layout=layout, loss=[float(x) for x in out["loss"]],
+        update_lr_scheduler=tu.get(data, key="update_lr_scheduler", default=False),
+        reference_loss=_reference_sft_loss(samples, model.table.detach()),
+        batch_num_tokens=tu.get(given, key="batch_num_tokens"),
+        loss_mask_tokens=int(sum(int(s["loss_mask"].sum()) for s in samples)),
+        num_micro_batch=tu.get(given, key="num_micro_batch"),
+        log_probs_nested=bool(out["model_output"]["log_probs"].is_nested),
+        log_probs_lengths=out["model_output"]["log_probs"].offsets().diff().tolist(),
+        sample_lengths=[len(s["input_ids"]) for s in samples],
+        grad_abs_sum=float(model.table.grad.abs().sum()) if model.table.grad is not None else None)
     return got
 
 
@@ -395,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario == "init":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         _report(size=asdict(size), **init_scenario(args.kind, device, size, args.root)[0])
+    elif args.scenario == "loss":
+        _report(size=asdict(size), **loss_scenario(args.kind, size, args.root))
     else:
         _report(size=asdict(size), reclaim=args.reclaim,
                 **train_scenario(args.kind, size, args.root, args.steps, args.reclaim))

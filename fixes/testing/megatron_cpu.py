@@ -35,11 +35,18 @@ nothing. verl's ``resize_(0)`` — the behaviour under test — runs as released
    moves a CPU router weight to ``torch.cuda.current_device()`` and the router allocates its
    aux-loss scalars there (0.16.1 and 0.19.2); on a CPU-only torch build that call raises, and
    the shim makes it name the CPU. And megatron-core 0.16.1's ``RouterGatingLinearFunction``
-   reads the module global ``te_general_gemm``, which is only bound when Transformer Engine
-   imports (NameError without it, on any device); the shim binds it to ``None``, the value its
-   own fallback test (``te_general_gemm is not None``) expects. Only where those calls would
+   (``transformer/moe/moe_utils.py``, forward and backward) reads the module global
+   ``te_general_gemm``, which that release binds only when Transformer Engine imports: without
+   TE every MoE router call raises ``NameError`` on any device, CUDA included (H200,
+   2026-12-01: verl's engine, MoE, its first ``train_batch``). No config field avoids it:
+   ``TopKRouter.gating`` always calls ``router_gating_linear``, and the name is read before
+   ``moe_router_dtype`` is. The shim binds it to ``None`` where it is missing -- on CPU and on
+   CUDA -- which is what megatron-core 0.19 itself does without TE (its ``else:`` branch binds
+   ``te_general_gemm = None``) and what the function's own fallback test (``te_general_gemm
+   is not None``) expects: the router's torch ``mm`` / ``addmm`` path. The CPU device part
+   (``current_device``) is only installed where CUDA is absent. Only where those calls would
    fail, and only in the processes that ask for it (the CPU cells of
-   ``benchmarks.megatron_scale``).
+   ``benchmarks.megatron_scale``; repro/verl_engine.py's CUDA training runs, without TE).
 """
 
 from __future__ import annotations
@@ -104,16 +111,26 @@ def install_megatron_cpu_memory_buffer_shim(force: bool = False) -> bool:
     return True
 
 
-def install_megatron_cpu_moe_shim() -> bool:
-    """On a CPU-only torch build, ``torch.cuda.current_device()`` returns ``"cpu"`` instead of
-    raising, and megatron's MoE utilities get ``te_general_gemm = None`` where Transformer
-    Engine did not bind it. Returns True if installed now or before, False where CUDA exists."""
-    if torch.cuda.is_available():
-        return False
+def bind_missing_te_general_gemm() -> bool:
+    """``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` where the module did
+    not bind it (megatron-core 0.16.1 without Transformer Engine), on any device. Returns True
+    if it bound it now. Where TE bound it, or megatron-core binds it itself (0.19), a no-op."""
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+def install_megatron_cpu_moe_shim() -> bool:
+    """Megatron's MoE utilities get ``te_general_gemm = None`` where Transformer Engine did not
+    bind it (on any device: ``bind_missing_te_general_gemm``), and on a CPU-only torch build
+    ``torch.cuda.current_device()`` returns ``"cpu"`` instead of raising. Returns True if the
+    CPU part is installed now or before, False where CUDA exists (the binding still happens)."""
+    bind_missing_te_general_gemm()
+    if torch.cuda.is_available():
+        return False
     if getattr(torch.cuda.current_device, "__stackfix_cpu_shim__", False):
         return True
 
