@@ -390,8 +390,9 @@ def train_step(engine, data) -> dict:
     """One step as ``TrainingWorker.train_batch`` runs it (``verl/workers/engine_workers.py``:
     364-376): ``engine.train_batch`` (zero grad, forward/backward, optimizer step) inside
     ``engine.train_mode()``, then ``lr_scheduler_step()`` (the batch asks for it:
-    ``update_lr_scheduler``). Measured: loss, grad norm, digests of the main grads and the
-    updated parameters, bytes allocated before / after / at peak, seconds."""
+    ``update_lr_scheduler``). Measured: loss, grad norm, digests of the main grads (and how many
+    of their elements are nonzero) and of the updated parameters, bytes allocated before / after
+    / at peak, seconds of ``train_batch``."""
     from verl.utils import tensordict_utils as tu
 
     params = [p for chunk in engine.module for p in chunk.parameters()]
@@ -401,13 +402,17 @@ def train_step(engine, data) -> dict:
     start = time.perf_counter()
     with engine.train_mode():
         out = engine.train_batch(data.clone(), loss_function=sft_loss_function())
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        # inside the context: leaving it zeroes the grads (zero_grad_on_exit, verl's default;
+        # a digest taken after it read zeros, equal in every run and step)
+        grads = [g for p in params if (g := getattr(p, "main_grad", None)) is not None]
+        grads_digest = _digest(grads)
+        grads_nonzero = sum(int(torch.count_nonzero(g)) for g in grads)
     if tu.get(data, key="update_lr_scheduler", default=False):
         engine.lr_scheduler_step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    grads = [getattr(p, "main_grad", None) for p in params]
     return {"loss": [float(x) for x in out["loss"]], "grad_norm": float(out["metrics"]["grad_norm"]),
-            "grads": _digest(g for g in grads if g is not None),
+            "grads": grads_digest, "grads_nonzero": grads_nonzero,
             "params": _digest(params), "before_bytes": before,
             "after_bytes": torch.cuda.memory_allocated(),
             "peak_bytes": torch.cuda.max_memory_allocated(), "seconds": seconds}

@@ -51,6 +51,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,7 @@ def test_the_local_spec_model_mbridge_loads_gives_the_hugging_face_logits(kind, 
 
 # --- GPU: three runs side by side ---------------------------------------------------------------
 
+GPU_STEPS = 6  # the first is warm-up for the step times (their median is over the rest)
 RUNS = {  # label -> (plugin on?, --reclaim)
     "plugin-on": (True, "installed"),
     "plugin-off": (False, "installed"),
@@ -333,7 +335,7 @@ def test_gpu_verl_engine_plugin_on_off_and_no_reclaim_train_the_same(kind, tmp_p
     for label, (plugin, reclaim) in RUNS.items():
         runs[label] = _scenario(
             ["train", "--kind", kind, "--size", size, "--root", str(tmp_path / label),
-             "--steps", "2", "--reclaim", reclaim], _plugin_env(plugin), 580)
+             "--steps", str(GPU_STEPS), "--reclaim", reclaim], _plugin_env(plugin), 580)
     evidence = os.environ.get("STACKFIX_EVIDENCE")
     if evidence:
         out = Path(evidence) / f"verl-engine-{kind}.json"
@@ -349,17 +351,27 @@ def test_gpu_verl_engine_plugin_on_off_and_no_reclaim_train_the_same(kind, tmp_p
     assert none["installed_for_steps"] is None
     for run in runs.values():
         assert run["initialize_stop"] is None and run["init_stop"] is None
-    # The same loss, grads and updated parameters, bit for bit, in every run and step.
+    # The same loss, grads and updated parameters, bit for bit, in every run and step; the
+    # grads read are the step's own (nonzero, and another step's are others).
     for key in ("loss", "grad_norm", "grads", "params"):
-        for step in range(2):
+        for step in range(GPU_STEPS):
             assert on["steps"][step][key] == off["steps"][step][key] == none["steps"][step][key], (
                 key, step)
-    # Memory the second step keeps (after - before) and its peak: ours frees what verl's frees
-    # (within one allocator block of 2 MiB).
-    kept = {k: r["steps"][1]["after_bytes"] - r["steps"][1]["before_bytes"] for k, r in runs.items()}
-    peak = {k: r["steps"][1]["peak_bytes"] for k, r in runs.items()}
+    assert all(s["grads_nonzero"] > 0 for s in on["steps"]), on["steps"]
+    assert on["steps"][0]["grads"] != on["steps"][1]["grads"]
+    # Memory held after a step (model, optimizer state, what the step's graph left behind) and
+    # the peak of the steps after the first: ours frees what verl's frees (within one allocator
+    # block of 2 MiB); the MoE model is where no reclaim keeps more (#3221).
+    kept = {k: r["steps"][-1]["after_bytes"] for k, r in runs.items()}
+    peak = {k: max(s["peak_bytes"] for s in r["steps"][1:]) for k, r in runs.items()}
     assert kept["plugin-on"] <= kept["plugin-off"] + 2 * 2**20, kept
     assert peak["plugin-on"] <= peak["plugin-off"] + 2 * 2**20, peak
+    if kind == "moe":
+        assert kept["no-reclaim"] > kept["plugin-on"], kept
+    seconds = {k: statistics.median(s["seconds"] for s in r["steps"][1:]) for k, r in runs.items()}
+    print("VERL-ENGINE-SUMMARY " + json.dumps(
+        {"kind": kind, "kept_bytes": kept, "peak_bytes": peak, "median_step_s": seconds,
+         "step_time_ratio_on_to_off": seconds["plugin-on"] / seconds["plugin-off"]}))
     # The crash-2 shape (a requires-grad checkpoint input that is a view into a larger
     # storage): counted, for the evidence; the released engine is not expected to build it.
     assert on["checkpoint_inputs"]["calls"] > 0, on["checkpoint_inputs"]
