@@ -3,7 +3,10 @@ outputs' metadata, its call site and -- as the values mode asks -- a fingerprint
 outputs. The stream is not the verdict (``_verdict``); it locates where a recompute that
 differs in what backward uses first departs from its forward (``_locate``).
 
-Fingerprinted: every op (``all``); none (``none``); or (``sampled``) the ops at positions
+Fingerprinted: every op that makes or writes values (``all``) -- a view's values are its
+argument's, compared where they were made (an op of the stream) or by the first op that reads
+them (a view of a parameter or input), so views are recorded with their metadata only; none
+(``none``, which keeps no stream at all); or (``sampled``) the ops at positions
 ``0, n, 2n, ...``, each side's last op, and the op before each saved tensor the side
 fingerprints (``_saved``), so that a saved tensor that differs has the op next to it compared
 on both sides. An op's outputs are held only until the next op is recorded (``pending``), one
@@ -38,9 +41,16 @@ class OpInfo:
     keeps_all: bool  # every return is a result
     valued: bool  # its outputs are fingerprinted at all (``fp.no_values``)
     unrecorded: bool  # never part of an op stream (``_intended.UNRECORDED_NAMESPACES``)
+    view: bool  # every return aliases an argument and nothing is written: its values are its
+    # argument's, already in the stream or outside the region (not fingerprinted in the stream)
 
 
 _infos: dict = {}
+# ``torch.tensor(...)`` inside a region: a constant made outside dispatch, handed to the stream
+# by an aliasing ``lift_fresh`` -- the first op that shows its values (not a view of a value the
+# stream has)
+_LIFTS = frozenset(getattr(torch.ops.aten, n) for n in ("lift", "lift_fresh")
+                   if hasattr(torch.ops.aten, n))
 
 
 def _batch_norms() -> dict:
@@ -80,7 +90,9 @@ def info(func) -> OpInfo:
             atomic=func.overloadpacket in fp.ATOMIC_ON_CUDA,
             keep=(keep := fp.valued_returns(func)), keeps_all=all(keep),
             valued=not fp.no_values(func),
-            unrecorded=func.namespace in _intended.UNRECORDED_NAMESPACES)
+            unrecorded=func.namespace in _intended.UNRECORDED_NAMESPACES,
+            view=bool(schema.returns) and not marked and func.overloadpacket not in _LIFTS
+            and all(r.alias_info is not None for r in schema.returns))
     return found
 
 
@@ -116,7 +128,7 @@ class OpStream:
         self.last_outs, self.last_keep = outs, (None if op.keeps_all else op.keep)
         if op.atomic and not self.tolerant and fp.is_inexact(outs):
             self.tolerant = True
-        if self.mode is Values.NONE or not op.valued:
+        if self.mode is Values.NONE or not op.valued or op.view:
             self.pending = None
             return record
         valued = fp.valued_outputs(func, outs, op.keep)
