@@ -486,3 +486,28 @@ def test_an_ops_own_rng_state_outputs_are_not_compared():
     assert [t[0].item() for t in fp.valued_outputs(op, outs)] == [0.0, 1.0]  # output, lse
     add = torch.ops.aten.add.Tensor
     assert fp.valued_outputs(add, outs[:1]) == outs[:1]
+
+
+def test_views_are_recorded_unprinted_and_a_changed_weight_is_named_where_it_is_read():
+    """A view's values are its argument's: recorded (metadata, site) but not fingerprinted in
+    the op stream. A weight changed between forward and backward is then located at the first
+    op that reads its view, on the same line."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def region(x):
+        h = x @ w.t()  # t: a view of the weight; mm reads it
+        return h.view(-1).sin()  # view: a view of mm's output
+
+    with recompute_sanitizer() as sanitizer:
+        checkpoint(region, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum().backward()
+    assert sanitizer.ops_compared == 4  # t, mm, view, sin
+    assert sanitizer.fingerprints == 4  # mm and sin, forward and recompute
+
+    with pytest.raises(RecomputeMismatchError) as caught:
+        with recompute_sanitizer():
+            y = checkpoint(region, torch.randn(4, 8, requires_grad=True), use_reentrant=True).sum()
+            with torch.no_grad():
+                w.mul_(2.0)
+            y.backward()
+    assert caught.value.what == "values" and caught.value.op.startswith("aten.mm")
+    assert "in region" in caught.value.recompute_site[0]
