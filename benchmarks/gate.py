@@ -103,9 +103,9 @@ def _refresh(run: Run, args, comparisons: list[Comparison]) -> Path:
     keys = {(c.device_kind, c.scenario, c.strategy) for c in comparisons
             if is_memory_metric(c.metric) and (c.verdict.moved or c.verdict == Verdict.NO_BASELINE)}
     results_dir = Path(args.results_dir)
-    filed = results_dir / record.file_name(run)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    filed = record.target(run, results_dir, Path(args.results))
     if not filed.exists():
-        results_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(args.results, filed)
         print(f"refresh: run filed as {filed}")
     data = json.loads(Path(args.results).read_text())

@@ -2,7 +2,8 @@
 
     python -m benchmarks.record RESULTS.json [--allow-dirty] [--results-dir DIR]
 
-Contract: the run is copied, unchanged, to ``<kind>-<YYYYMMDDTHHMM>-<commit8>.json``. A run of a
+Contract: the run is copied, unchanged, to ``<kind>-<YYYYMMDDTHHMM>-<commit8>.json`` (``-2``,
+``-3``, ... after it when another run of that commit and minute holds the name). A run of a
 dirty tree, or one whose commit git could not name, is refused (exit 2) -- its figures belong to
 no commit a reader can check out -- unless ``--allow-dirty``. Then a dirty tree's file name
 ends in ``-dirty`` and the dashboard leaves it out unless built with ``--include-dirty`` (which
@@ -26,6 +27,20 @@ def file_name(run: Run) -> str:
     stamp = run.datetime[:16].replace("-", "").replace(":", "")  # 20261130T1942
     commit = run.commit[:8] or "nocommit"
     return f"{'+'.join(run.device_kinds)}-{stamp}-{commit}{'-dirty' if run.dirty else ''}.json"
+
+
+def target(run: Run, results_dir: Path, source: Path) -> Path:
+    """Where ``source`` (the file of ``run``) is filed: ``file_name(run)``, or, when another run
+    already holds that name (two runs of one commit started in the same minute), the first of
+    ``-2``, ``-3``, ... free or holding this very run (filing a run twice is a no-op)."""
+    base = file_name(run)
+    content = source.read_bytes()
+    for n in range(1, 1000):
+        name = base if n == 1 else base.removesuffix(".json") + f"-{n}.json"
+        path = results_dir / name
+        if not path.exists() or path.read_bytes() == content:
+            return path
+    raise ResultsError(f"{base}: 999 runs of one commit and minute are filed already")
 
 
 def refusal(run: Run) -> str | None:
@@ -56,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     if why and not (args.allow_dirty and run.rows):
         print(f"record: refused: {why}; commit first, or pass --allow-dirty", file=sys.stderr)
         return 2
-    target = args.results_dir / file_name(run)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(args.results, target)
-    print(f"record: {target}")
+    filed = target(run, args.results_dir, Path(args.results))
+    shutil.copyfile(args.results, filed)
+    print(f"record: {filed}")
     return 0
 
 

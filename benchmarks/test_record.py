@@ -46,3 +46,20 @@ def test_a_run_without_benchmarks_is_refused(tmp_path, capsys):
     assert record.main([str(write(tmp_path, benches=False)), "--results-dir", str(tmp_path),
                         "--allow-dirty"]) == 2
     assert "no benchmarks" in capsys.readouterr().err
+
+
+def test_a_second_run_of_the_same_minute_and_commit_is_filed_beside_the_first(tmp_path):
+    """Two runs of one commit that start in the same minute (two pytest sessions of one GPU
+    call) had one name: the second overwrote the first. Filing the same run again is a no-op."""
+    first = write(tmp_path)
+    second = tmp_path / "second.json"
+    data = json.loads(first.read_text())
+    data["benchmarks"][0]["name"] = "other"
+    second.write_text(json.dumps(data))
+    out = tmp_path / "r"
+    for src in (first, second, first):
+        assert record.main([str(src), "--results-dir", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["cpu-20261130T1942-ab6f670c-2.json", "cpu-20261130T1942-ab6f670c.json"]
+    assert (out / names[1]).read_text() == first.read_text()
+    assert (out / names[0]).read_text() == second.read_text()
