@@ -119,6 +119,7 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
               "aux_loss": aux_loss, "recompute": recompute, "clock": clock,
               "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
               "ops_compared": sanitizer.ops_compared,
+              "fingerprints": sanitizer.fingerprints,  # op-stream prints, both sides
               "saved_compared": sanitizer.saved_compared,
               "outputs_compared": sanitizer.outputs_compared,
               "declared_ops": sanitizer.declared_ops, "grad_noise": noise,
