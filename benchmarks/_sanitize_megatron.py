@@ -40,10 +40,11 @@ MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
 
 @contextlib.contextmanager
 def _interception_floor():
-    """``recompute_sanitizer()``'s regions, hooks and dispatch mode with every op passed
-    straight through the mode (nothing recorded, nothing judged): what intercepting the
-    regions' ops costs before the sanitizer does anything with them -- the floor under every
-    mode on this host. Benchmark-only; put back on exit."""
+    """``recompute_sanitizer(values="none")`` with every op passed straight through its
+    dispatch mode (no op classified, recorded or fingerprinted; the region bookkeeping at each
+    side's start and end -- saved-tensor metadata, outputs, the verdict -- still runs): what
+    intercepting the regions' ops costs before the sanitizer does anything with them, the floor
+    under every mode on this host. Benchmark-only; put back on exit."""
     import torch
 
     from fixes.sanitize import _region, recompute_sanitizer

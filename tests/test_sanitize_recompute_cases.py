@@ -343,3 +343,70 @@ def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch):
     assert sanitizer.internal_errors and "the region runs unchecked" in str(seen[0].message)
     for a, b in zip(reference, got, strict=True):
         assert torch.equal(a, b)
+
+
+# -- views in the op stream (review of the view rule) ----------------------------------------------
+
+
+def test_a_weight_changed_before_backward_is_located_at_its_view_when_the_recompute_stops_there():
+    """``x + lin2(lin1(x).relu())``, lin2's weight changed between forward and backward: addmm
+    packs its inputs before it runs, so the early-stopped recompute ends at F.linear's ``t`` of
+    the weight -- the one op that shows the change. A view of a parameter is fingerprinted."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def block(x):
+        h = lin1(x).relu()
+        return x + lin2(h)  # the changed weight enters here
+
+    for values in ("all", "sampled"):
+        with pytest.raises(RecomputeMismatchError) as caught:
+            with recompute_sanitizer(values=values):
+                loss = checkpoint(block, torch.randn(4, 8, requires_grad=True),
+                                  use_reentrant=False).pow(2).sum()
+                with torch.no_grad():
+                    lin2.weight.mul_(2)
+                loss.backward()
+        with torch.no_grad():
+            lin2.weight.div_(2)
+        assert caught.value.what == "values" and caught.value.op.startswith("aten.t"), values
+        assert "in block" in caught.value.recompute_site[0], values
+
+
+def test_sampled_still_fingerprints_the_op_before_a_region_ending_in_a_view():
+    """``sampled`` fingerprints each side's last op; a region that returns ``h.view(-1)`` ended
+    with an unprinted view, which dropped the op held before it (nothing located)."""
+    state = {"scale": 1.0}
+
+    def region(x):
+        h = x
+        for _ in range(9):
+            h = h.sin()  # ops 0..8: 0, 4, 8 sampled
+        h = h * state["scale"]  # op 9: where it differs, unsampled
+        return h.view(-1)  # op 10: a view, the side's last
+
+    with pytest.raises(RecomputeMismatchError) as caught:
+        with recompute_sanitizer(values="sampled", sample_every=4):
+            y = checkpoint(region, torch.randn(4, 8, requires_grad=True), use_reentrant=True)
+            state["scale"] = 2.0
+            y.sum().backward()
+    assert caught.value.what == "values" and caught.value.op.startswith("aten.mul")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("make", ["tensor", "as_tensor", "new_tensor"])
+def test_a_constant_made_in_the_region_and_written_in_place_is_no_side_effect(make, reentrant):
+    """``torch.tensor([0.]).add_(1)`` in a region: the constant is lifted by an aliasing
+    ``lift_fresh``, so its storage counted as outside the region and its write as a side
+    effect."""
+    build = {"tensor": lambda x: torch.tensor([0.0, 1.0]),
+             "as_tensor": lambda x: torch.as_tensor([1.0, 2.0]),
+             "new_tensor": lambda x: x.new_tensor([1.0, 2.0])}[make]
+
+    def region(x):
+        return (x * build(x).add_(1).sum()).sin()
+
+    for values in ("all", "none"):
+        with recompute_sanitizer(values=values):
+            checkpoint(region, torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=reentrant).pow(2).sum().backward()

@@ -38,7 +38,7 @@ On a CUDA machine (the gpu test; ``bash ci/gpu_offline.sh verl-engine``): three 
 side per model, each its own process: plugin on (``verl.plugins`` entry point where stackfix is
 installed, else ``VERL_USE_EXTERNAL_MODULES=fixes.verl``), plugin off
 (``STACKFIX_VERL_PLUGIN=0``: verl's own reclaim), and no reclaim at all (megatron-core's own
-backward put back after the engine's init). Two training steps each through the engine's
+backward put back after the engine's init). Six training steps each through the engine's
 ``train_batch``. The crash-2 graph cannot be built by the released engine: its decoders' checkpoint
 inputs are whole layer outputs (the run counts the view inputs it sees), and the mHC + MTP shape
 that chunks them exists on Megatron-LM dev only, which mbridge's bridges do not build

@@ -61,7 +61,8 @@ def _subclass_dispatch(types_):
 
 class _SideMode(TorchDispatchMode):
     """A side's dispatch mode: subclass dispatch passes through; every other op runs through
-    its side's ``before`` and ``after``, which never raise."""
+    its side's ``before`` and ``after``, which never raise (``none``: only ops that write an
+    argument do; the others pass through, a recompute noting the storages they make)."""
 
     def __init__(self, side: _Side):
         super().__init__()
@@ -105,7 +106,7 @@ class _Side:
     """What one side of a region (its forward, or one recompute) ran and saved."""
 
     forward_side = True
-    tracks_created = False  # a recompute tells the tensors it made from outside ones
+    tracks_created = False  # ``none``: a recompute still tells the tensors it made from others
 
     def __init__(self, region: Region):
         self.region = region
@@ -119,6 +120,10 @@ class _Side:
                                   len(region.forward.saved.entries)
                                   if region.forward is not None else 0)
         self.outputs: list[tuple] = []
+        # storages of tensors this side's ops made: a recompute's writes into others are
+        # outside writes; a view of one is not fingerprinted in the op stream (its values are
+        # those of an op of the stream), a view of another (a weight's transpose) is
+        self._created: set[int] = set()
         self.sampled = mode is Values.SAMPLED
         self.entry = None  # a non-reentrant forward: the frame its region was entered from
         self._mode = _SideMode(self)
@@ -158,10 +163,13 @@ class _Side:
                 self.region.stats.declared_ops += 1
             return
         if not self.light:
-            self.stream.add(func, outs, op, site)
+            self.stream.add(func, outs, op, site,
+                            inner=op.view and all(_storage_key(t) in self._created for t in outs))
 
     def created(self, op, outs) -> None:
-        pass
+        for fresh, t in zip(op.fresh, outs, strict=False):
+            if fresh and t.layout is torch.strided and not t.is_meta:
+                self._created.add(t.untyped_storage()._cdata)
 
     def set_outputs(self, out) -> None:
         """A reentrant side's outputs: metadata and, unless the mode is ``none``, the exact and
@@ -207,6 +215,7 @@ class Forward(_Side):
 
     def __exit__(self, exc_type, exc, tb):
         self._leave(exc_type, exc, tb)
+        self._created.clear()
         self.entry = None  # the caller's frame is not kept past the forward
         if exc_type is None and self.region.broken is None:
             try:
@@ -227,7 +236,6 @@ class Replay(_Side):
     def __init__(self, region: Region):
         super().__init__(region)
         self.outside = OutsideWrites()
-        self._created: set[int] = set()  # storages of tensors this recompute's ops made
         self.stopped_early = False
 
     def __enter__(self):
@@ -256,11 +264,6 @@ class Replay(_Side):
             self.region.stats.outside_writes += 1
             self.outside.before_write(func, t, name, len(self.stream.records), site, declared)
         return None
-
-    def created(self, op, outs) -> None:
-        for fresh, t in zip(op.fresh, outs, strict=False):
-            if fresh and t.layout is torch.strided and not t.is_meta:
-                self._created.add(t.untyped_storage()._cdata)
 
     def __exit__(self, exc_type, exc, tb):
         self._leave(exc_type, exc, tb)

@@ -3,10 +3,11 @@ outputs' metadata, its call site and -- as the values mode asks -- a fingerprint
 outputs. The stream is not the verdict (``_verdict``); it locates where a recompute that
 differs in what backward uses first departs from its forward (``_locate``).
 
-Fingerprinted: every op that makes or writes values (``all``) -- a view's values are its
-argument's, compared where they were made (an op of the stream) or by the first op that reads
-them (a view of a parameter or input), so views are recorded with their metadata only; none
-(``none``, which keeps no stream at all); or (``sampled``) the ops at positions
+Fingerprinted: every op (``all``) but views of tensors the side's own ops made -- their values
+are those of an op of the stream, so they are recorded with their metadata only (a view of a
+parameter, buffer or input is fingerprinted: it may be where a changed value enters, and an
+early-stopped recompute may end at it); none (``none``, which keeps no stream at all); or
+(``sampled``) the ops at positions
 ``0, n, 2n, ...``, each side's last op, and the op before each saved tensor the side
 fingerprints (``_saved``), so that a saved tensor that differs has the op next to it compared
 on both sides. An op's outputs are held only until the next op is recorded (``pending``), one
@@ -41,8 +42,8 @@ class OpInfo:
     keeps_all: bool  # every return is a result
     valued: bool  # its outputs are fingerprinted at all (``fp.no_values``)
     unrecorded: bool  # never part of an op stream (``_intended.UNRECORDED_NAMESPACES``)
-    view: bool  # every return aliases an argument and nothing is written: its values are its
-    # argument's, already in the stream or outside the region (not fingerprinted in the stream)
+    view: bool  # every return aliases an argument and nothing is written: a view of a tensor
+    # the side made is not fingerprinted in the stream (its values are already there)
 
 
 _infos: dict = {}
@@ -85,7 +86,9 @@ def info(func) -> OpInfo:
                        if a.alias_info is not None and a.alias_info.is_write)
         found = _infos[func] = OpInfo(
             skipped=func in _IGNORED or func.overloadpacket in fp.ALLOCATIONS,
-            fresh=tuple(r.alias_info is None for r in schema.returns),
+            # a lifted constant (``torch.tensor(...)``) is new although its return aliases
+            fresh=tuple(r.alias_info is None or func.overloadpacket in _LIFTS
+                        for r in schema.returns),
             written=marked + _unmarked_writes(func, schema),
             atomic=func.overloadpacket in fp.ATOMIC_ON_CUDA,
             keep=(keep := fp.valued_returns(func)), keeps_all=all(keep),
@@ -121,14 +124,19 @@ class OpStream:
         # weight used by every layer) is printed once, while its version stays.
         self._memo: dict[int, tuple] = {}
 
-    def add(self, func, outs: list[torch.Tensor], op: OpInfo, site: tuple) -> OpRecord:
+    def add(self, func, outs: list[torch.Tensor], op: OpInfo, site: tuple,
+            inner: bool = False) -> OpRecord:
+        """Record ``func``'s call; ``inner``: a view of tensors this side's ops made (recorded,
+        not fingerprinted, and the op held for ``sampled`` stays held)."""
         record = OpRecord(func, fp.metadata(outs), site)
         position = len(self.records)
         self.records.append(record)
         self.last_outs, self.last_keep = outs, (None if op.keeps_all else op.keep)
+        if inner:
+            return record
         if op.atomic and not self.tolerant and fp.is_inexact(outs):
             self.tolerant = True
-        if self.mode is Values.NONE or not op.valued or op.view:
+        if self.mode is Values.NONE or not op.valued:
             self.pending = None
             return record
         valued = fp.valued_outputs(func, outs, op.keep)
