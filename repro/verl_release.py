@@ -34,6 +34,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import subprocess
 import symtable
 import sys
@@ -231,10 +232,18 @@ def _global_reads(table: symtable.SymbolTable) -> set[str]:
     return names
 
 
+def _installer() -> list[str]:
+    """uv's pip where uv is on PATH (the tox envs are uv venvs, which have no pip), else pip."""
+    uv = shutil.which("uv")
+    if uv:
+        return [uv, "pip", "install", "--python", sys.executable]
+    return [sys.executable, "-m", "pip", "install"]
+
+
 def install(versions=RELEASES, root: Path | None = None) -> list[Path]:
-    """``pip install --no-deps --target <root>/<version> verl==<version>`` for each version not
-    installed yet (pure-python wheels, ~1.5 MB each). Returns the release directories;
-    VerlInstallError when pip fails."""
+    """``pip install --no-deps --target <root>/<version> verl==<version>`` (through uv where it
+    is on PATH) for each version not installed yet (pure-python wheels, ~1.5 MB each). Returns
+    the release directories; VerlInstallError when the installer fails."""
     root = verl_root() if root is None else Path(root)
     done = []
     for version in versions:
@@ -242,7 +251,7 @@ def install(versions=RELEASES, root: Path | None = None) -> list[Path]:
         if (where / f"verl-{version}.dist-info").is_dir():
             print(f"verl {version}: already installed in {where}")
         else:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(where),
+            cmd = [*_installer(), "--no-deps", "--target", str(where),
                    f"verl=={version}"]
             print("+", " ".join(cmd), flush=True)
             status = subprocess.run(cmd).returncode
