@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.readme:
             table = headline.readme_table(runs, include_dirty=args.include_dirty, history=history)
             changed = headline.update_readme(args.readme, table)
+            text = args.readme.read_text()
+            compat = headline.with_compat_summary(text, history=history)
+            if compat != text:
+                args.readme.write_text(compat)
+                changed = True
             print(f"dashboard: headline table -> {args.readme}{'' if changed else ' (unchanged)'}")
     except (ResultsError, ValueError) as e:
         print(f"dashboard: {e}", file=sys.stderr)

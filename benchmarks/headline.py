@@ -9,7 +9,8 @@ megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, ran
 (``benchmarks._views``), with every strategy's figure, ours against no reclaim and each verl
 release, and (given a ``History``) whether the run is older than the code it measures
 (``benchmarks._freshness``). The dashboard's summary table and the README's table
-(``update_readme``, between ``README_BEGIN`` and ``README_END``, nothing else of the file
+(``update_readme``, between ``README_BEGIN`` and ``README_END``, and the compat matrix's line between
+its own markers, saying when the matrix is older than the code; nothing else of the file
 touched) are both drawn from these rows, so neither is copied by hand. The command writes the
 README's block from the committed runs (``benchmarks._published``); ``--check`` writes nothing
 and exits 1 when the block differs (``test_readme_figures.py`` runs it). A cell with no
@@ -201,6 +202,27 @@ def write_readme(path: str | Path, runs: list[Run]) -> bool:
     return update_readme(path, readme_table(runs))
 
 
+COMPAT_MATRIX = RESULTS_DIR / "compat" / "matrix.json"
+
+
+def with_compat_summary(text: str, matrix_path: Path = COMPAT_MATRIX,
+                        history: History | None = None) -> str:
+    """``text`` with the README's compat line regenerated from the committed matrix, saying
+    "older than the code" when ``fixes/`` or ``repro/`` changed after the matrix's commit (as the
+    figures' rows do). ``text`` unchanged when it has no compat block or no matrix exists."""
+    import json
+
+    from repro.compat.matrix import Matrix
+    from repro.compat.render import README_BEGIN as C_BEGIN
+    from repro.compat.render import with_readme_summary
+
+    if C_BEGIN not in text or not matrix_path.is_file():
+        return text
+    matrix = Matrix.from_json(json.loads(matrix_path.read_text()))
+    age = freshness(matrix.commit.removesuffix("-dirty"), "compat", history or History())
+    return with_readme_summary(text, matrix, age.note() if age.stale else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=(
         "Write (or --check) README.md's generated figure table from the committed runs."))
@@ -212,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = published_runs(args.results_dir)
         text = args.readme.read_text()
-        new = with_block(text, readme_table(runs), args.readme)
+        new = with_compat_summary(with_block(text, readme_table(runs), args.readme))
     except (OSError, ResultsError) as e:
         print(f"headline: {e}", file=sys.stderr)
         return 2

@@ -61,3 +61,38 @@ def test_the_committed_baseline_matches_the_published_figures(kind):
               for c in compare(shown, load_run(baseline_path_for(kind)).rows)
               if c.verdict not in (Verdict.OK, Verdict.INFO)]
     assert not differ, "\n".join(differ)
+
+
+class _History:
+    """A git history in which ``changed_after`` names the newest commit touching the paths."""
+
+    def __init__(self, changed_after: str):
+        self.changed_after = changed_after
+
+    def head(self):
+        return "f" * 40
+
+    def has(self, commit):
+        return True
+
+    def last_change(self, since, paths):
+        return self.changed_after
+
+
+@pytest.mark.parametrize("changed_after", ["", "c" * 40])
+def test_the_compat_line_says_when_the_matrix_is_older_than_the_code(tmp_path, changed_after):
+    import json
+
+    from repro.compat.render import README_BEGIN, README_END
+
+    matrix = json.loads(headline.COMPAT_MATRIX.read_text())
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps(matrix))
+    text = f"intro\n{README_BEGIN}\nold line\n{README_END}\ntail\n"
+    new = headline.with_compat_summary(text, path, history=_History(changed_after))
+    assert new.startswith(f"intro\n{README_BEGIN}\nThe committed matrix describes commit")
+    assert new.endswith(f"{README_END}\ntail\n") and "old line" not in new
+    older = "**Older than the code:** run at" in new
+    assert older is bool(changed_after)
+    if older:
+        assert "fixes/, repro/ at cccccccc" in new and "tox -m compat" in new

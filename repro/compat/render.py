@@ -65,9 +65,11 @@ def render_markdown(matrix: Matrix) -> str:
 README_BEGIN, README_END = "<!-- compat:begin -->", "<!-- compat:end -->"
 
 
-def readme_summary(matrix: Matrix) -> str:
+def readme_summary(matrix: Matrix, older: str = "") -> str:
     """The README's line on the committed matrix: when and from which commit it was made, and
-    its cells counted by status (``python -m repro.compat`` rewrites it with the matrix)."""
+    its cells counted by status (``python -m repro.compat`` rewrites it with the matrix).
+    ``older``: why the matrix is older than the code it ran (``benchmarks.headline`` says so
+    when ``fixes/`` or ``repro/`` changed after its commit); "" when it is not."""
     counts: dict[str, int] = {}
     for combo in matrix.combinations:
         for repro in matrix.repros:
@@ -78,10 +80,12 @@ def readme_summary(matrix: Matrix) -> str:
     commits = sorted({c.commit for c in matrix.combinations if c.commit})
     return (f"The committed matrix describes commit `{matrix.commit}` (generated "
             f"{matrix.generated}; per combination: {', '.join(f'`{c}`' for c in commits)}): "
-            f"{len(matrix.repros)} repros x {len(matrix.combinations)} combinations, {tally}.")
+            f"{len(matrix.repros)} repros x {len(matrix.combinations)} combinations, {tally}."
+            + (f" **Older than the code:** {older}; regenerate it with `tox -m compat`."
+               if older else ""))
 
 
-def with_readme_summary(readme: str, matrix: Matrix) -> str:
+def with_readme_summary(readme: str, matrix: Matrix, older: str = "") -> str:
     """``readme`` with the text between the compat markers replaced by ``readme_summary``;
     ValueError if the markers are missing."""
     try:
@@ -89,4 +93,4 @@ def with_readme_summary(readme: str, matrix: Matrix) -> str:
         _, tail = rest.split(README_END, 1)
     except ValueError:
         raise ValueError(f"README has no {README_BEGIN} ... {README_END} block") from None
-    return f"{head}{README_BEGIN}\n{readme_summary(matrix)}\n{README_END}{tail}"
+    return f"{head}{README_BEGIN}\n{readme_summary(matrix, older)}\n{README_END}{tail}"
