@@ -1,7 +1,10 @@
 """Suite-wide rules: every test carries exactly one of the ``cpu`` / ``gpu`` markers, and
 ``gpu`` tests skip (with the reason) where CUDA is absent instead of erroring. Under xdist each
 worker's torch takes its share of the cores. A harness variable with a bad value
-(repro.harness.environment) stops the session at once."""
+(repro.harness.environment) stops the session at once. Tests marked ``deep`` (deep by design:
+real models, whole fork-server lifecycles, every repro run twice) are deselected unless the
+``-m`` expression names ``deep``: ``pytest -m cpu`` is the fast suite, ``pytest -m deep`` (tox -e
+deep) runs the rest; the summary says so."""
 
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             "every test must carry exactly one of the markers cpu / gpu:\n  " + "\n  ".join(bad)
         )
+    if "deep" not in (config.getoption("markexpr") or ""):
+        deep = [item for item in items if item.get_closest_marker("deep")]
+        if deep:
+            config.hook.pytest_deselected(items=deep)
+            items[:] = [item for item in items if not item.get_closest_marker("deep")]
     if not _cuda_available():
         skip = pytest.mark.skip(reason="CUDA not available (torch.cuda.is_available() is False)")
         for item in items:
@@ -51,3 +59,9 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "deep" not in (config.getoption("markexpr") or ""):  # the controller's, under xdist
+        terminalreporter.write_line("tests marked deep were left out of this run "
+                                    "(run them: pytest -m deep, or tox -e deep)")

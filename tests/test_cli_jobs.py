@@ -35,6 +35,7 @@ def _run(tmp_path, jobs: int) -> tuple[list[dict], list[str]]:
     return rows, [" ".join(c for i, c in enumerate(line.split()) if i != 4) for line in table]
 
 
+@pytest.mark.deep
 def test_parallel_run_equals_sequential(tmp_path):
     seq_rows, seq_table = _run(tmp_path, 1)
     par_rows, par_table = _run(tmp_path, 2)

@@ -73,6 +73,7 @@ def own_servers(monkeypatch):
         client.close()
 
 
+@pytest.mark.deep
 def test_a_profile_that_extends_another_is_forked_from_that_ones_server(own_servers):
     # torch's preloads extend spmd's, torchtitan's torch's: such a server is forked from the
     # one below it and imports only what it adds (the shared imports' CPU is paid once).
@@ -92,6 +93,7 @@ def test_a_profile_that_extends_another_is_forked_from_that_ones_server(own_serv
     assert not forkserver._running(torch.session) and forkserver._running(spmd.session)
 
 
+@pytest.mark.deep
 def test_a_forked_server_imports_under_the_environment_it_was_asked_in(own_servers, tmp_path,
                                                                       monkeypatch):
     # Its own preloads see the environment and sys.path a server spawned now would: the
@@ -168,6 +170,7 @@ def test_env_cwd_argv_and_sys_path_are_the_requests(tmp_path):
     assert forked.stdout.split()[:3] == [str(tmp_path), "v", "True"]
 
 
+@pytest.mark.deep
 def test_omp_num_threads_sizes_torchs_pool_as_when_spawned():
     code = "import torch; print(torch.get_num_threads())"
     for env in ({"OMP_NUM_THREADS": "1"}, {}):
@@ -307,6 +310,7 @@ def server_with_sitecustomize(monkeypatch, tmp_path):
             client.proc.wait(timeout=30)
 
 
+@pytest.mark.deep
 def test_a_forked_child_runs_its_own_atexit_handlers_not_the_servers(server_with_sitecustomize):
     marks = server_with_sitecustomize
     # As many handlers as a spawned interpreter that imported logging has (logging's flush),
@@ -351,6 +355,7 @@ def test_a_hung_preload_is_killed_reported_and_children_are_spawned(
     assert r.stdout == "1\n" and time.monotonic() - start < 30
 
 
+@pytest.mark.deep
 @pytest.mark.parametrize("profile, module", [
     ("spmd", "spmd_types"),
     # megatron-core on a CUDA machine: the torch server is forked from the spmd one

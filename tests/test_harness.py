@@ -240,6 +240,7 @@ def test_a_failed_rank_passes_its_own_exception_to_the_child():
     raise_for_ranks([ok, ok])
 
 
+@pytest.mark.deep
 def test_cli_sanitize_runs_children_under_the_sanitizers(tmp_path):
     out = tmp_path / "o.json"
     res = run_isolated(module="repro", forkserver=True, timeout=300,

@@ -41,6 +41,7 @@ def _child(body: str, timeout: float = 300.0):
     return result
 
 
+@pytest.mark.deep
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", DEV_REPROS)
 def test_without_a_checkout_both_paths_are_skipped_with_the_reason(name, monkeypatch):

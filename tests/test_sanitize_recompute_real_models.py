@@ -26,7 +26,8 @@ import pytest
 from repro import run_isolated
 from repro.harness.isolated import run_loopback_ranks
 
-pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
+# deep by design: real megatron / FSDP2 models, each in its own process (tox -e deep)
+pytestmark = [pytest.mark.cpu, pytest.mark.deep, pytest.mark.no_stackfix_sanitize]
 MODES = ("all", "sampled", "none")
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None
 

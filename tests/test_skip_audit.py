@@ -145,7 +145,7 @@ def test_every_tox_env_that_runs_pytest_audits_its_skips():
         for line in tox[section].get("commands", "").splitlines():
             if line.strip().startswith("pytest"):
                 audited[env] = line
-    assert set(audited) == {"cpu", "gpu", "bench", "vllm", "verl"}, audited  # verl-080 reuses verl's
+    assert set(audited) == {"cpu", "deep", "gpu", "bench", "vllm", "verl"}, audited  # verl-080 reuses verl's
     for env, line in audited.items():
         assert f"-p {skip_audit.__name__} --skip-audit={env}" in line, (env, line)
         assert env in skip_audit.ALLOWED

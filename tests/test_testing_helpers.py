@@ -65,6 +65,7 @@ def _plugin_args() -> list[str]:
     return [] if installed else ["-p", PLUGIN]
 
 
+@pytest.mark.deep
 def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
     # Nothing heavy is imported here: pytester drops the modules a test imports afterwards, and
     # torch.distributed cannot be imported twice in one process.

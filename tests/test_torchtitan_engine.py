@@ -95,6 +95,7 @@ def test_ac_without_checkpoint_wrappers_is_refused_by_version(process_group, mon
     assert _engine("llama3", ac="none").mesh_preserving_wrappers == 0
 
 
+@pytest.mark.deep
 @pytest.mark.cpu
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
 def test_every_ac_mode_same_loss_and_grads_then_loss_falls(process_group, name):

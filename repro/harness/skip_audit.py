@@ -59,6 +59,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
               GPU_HOST, NOT_APPLICABLE),
     "vllm": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
              GPU_HOST, MEGATRON_WITH_MHC),
+    # the cpu env's deep tests (tox -e deep: the same install as cpu)
+    "deep": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER,
+             NOT_A_COMPAT_PYTHON, GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL),
     # tests/test_verl_plugin.py in a real verl install (torchtitan, megatron-core, verl, ray)
     "verl": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
 }
