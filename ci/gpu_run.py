@@ -45,6 +45,8 @@ class Step:
     timeout: int  # seconds
     json: str | None = None  # a JSON file the step writes, under --out
     env: dict[str, str] = field(default_factory=dict)
+    # a step whose figures are times: under --parallel it still runs alone, after the others
+    alone: bool = False
 
 
 def _steps(out: str) -> dict[str, list[Step]]:
@@ -123,6 +125,27 @@ def _steps(out: str) -> dict[str, list[Step]]:
         "bench": [Step("bench-gpu", [*PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist",
                                      f"--benchmark-json={o('bench-gpu.json')}"], 540,
                        json="bench-gpu.json")],
+        # every one-GPU figure the README and the dashboard publish, in one call (run it with
+        # --parallel): the benchmarks' gpu cases split into sessions started side by side (their
+        # memory figures are per process), then the sanitizer's step-time ratios alone on the
+        # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
+        # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
+        "refresh": [
+            *(Step(f"bench-gpu-megatron-{model}", [
+                *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", select,
+                "-p", "no:xdist", "-q", f"--benchmark-json={o(f'bench-gpu-megatron-{model}.json')}"],
+                480, json=f"bench-gpu-megatron-{model}.json")
+              for model, select in (("moe", "moe- and not kept and not ep2"),
+                                    ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))),
+            Step("bench-gpu-stack", [
+                *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-q",
+                "--ignore=benchmarks/test_bench_megatron_scale.py",
+                "--ignore=benchmarks/test_bench_sanitize.py",
+                f"--benchmark-json={o('bench-gpu-stack.json')}"], 480, json="bench-gpu-stack.json"),
+            Step("bench-gpu-sanitize", [
+                *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
+                f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 300,
+                json="bench-gpu-sanitize.json", alone=True)],
         # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
         "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
                              env={"EVIDENCE": out})],
@@ -155,17 +178,21 @@ def _commit() -> str:
 
 
 def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
-    """The steps one after another, or (``parallel``) all started at once; their records in
-    the order given."""
+    """The steps one after another, or (``parallel``) all started at once but for those that
+    run ``alone`` (after the others, one at a time); their records in the order given."""
     records: dict[int, dict] = {}
     running = {}
-    for i, step in enumerate(steps):
+    order = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
+    alone = [i for i in range(len(steps)) if i not in order]
+    for n, i in enumerate(order + alone):
+        step = steps[i]
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **step.env})
         running[i] = (step, proc, log, time.monotonic())
-        while running and (not parallel or i == len(steps) - 1):
+        last_together = n >= len(order) - 1
+        while running and (not parallel or last_together):
             for j, (step_j, proc_j, log_j, start_j) in list(running.items()):
                 if proc_j.poll() is not None:  # its own end, not when it was waited for
                     records[j] = _record(step_j, proc_j.returncode, log_j, start_j)
