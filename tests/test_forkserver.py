@@ -206,11 +206,12 @@ def test_timeout_kills_the_child_and_what_it_started(forked, tmp_path):
 def test_output_held_open_by_what_the_child_started_times_out(forked):
     # The child exits at once; the sleeper it started keeps its stdout open: subprocess's
     # communicate() times out on that, and so must the fork server's client.
+    # The bound comes from the sleeper's 600 s, not from a quiet machine's start-up time.
     code = ("import subprocess, sys\n"
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n")
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n")
     start = time.monotonic()
     r = run_isolated(code=code, timeout=1.5, forkserver=forked)
-    assert r.timed_out and r.returncode is None and time.monotonic() - start < 30
+    assert r.timed_out and r.returncode is None and time.monotonic() - start < 300
 
 
 def test_a_forked_child_leads_its_own_process_group_and_runs_single_threaded():
@@ -252,7 +253,15 @@ def test_a_forked_childs_ranks_are_forked_into_its_process_group():
 def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
     rank = (f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
             ".write(str(os.getpid())); time.sleep(60)")
-    r = run_isolated(code=RANKS.format(rank=rank), timeout=3, forkserver=forked)
+    # The timeout must fire after both ranks started, however busy the machine: a run that
+    # timed out before they wrote their pids is tried again with twice the time.
+    for timeout in (3, 6, 12, 24, 48):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        r = run_isolated(code=RANKS.format(rank=rank), timeout=timeout, forkserver=forked)
+        if all((tmp_path / str(rank)).is_file() and (tmp_path / str(rank)).stat().st_size
+               for rank in range(2)):
+            break
     assert r.timed_out
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     for _ in range(50):
