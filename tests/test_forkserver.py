@@ -184,16 +184,29 @@ def test_module_runs_as_main_with_its_argv(tmp_path):
     assert forked.stdout == spawned.stdout == "__main__ ['x']\n", (forked, spawned)
 
 
+def _timed_out_after_writing(files, timeouts=(1.5, 3, 6, 12, 24, 48), **kw):
+    """run_isolated(**kw) timing out only after the child wrote every one of ``files`` (pid
+    files), however busy the machine: a run whose timeout fired first is tried again with twice
+    the time. The bound comes from the work, not from a quiet machine's start-up time."""
+    for timeout in timeouts:
+        for f in files:
+            f.unlink(missing_ok=True)
+        r = run_isolated(timeout=timeout, **kw)
+        if all(f.is_file() and f.stat().st_size for f in files):
+            return r
+    return r
+
+
 @BOTH
 def test_timeout_kills_the_child_and_what_it_started(forked, tmp_path):
     pid_file = tmp_path / "grandchild"
     code = ("import subprocess, sys, time\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
             f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-            "time.sleep(60)\n")
+            "time.sleep(600)\n")
     start = time.monotonic()
-    r = run_isolated(code=code, timeout=1.5, forkserver=forked)
-    assert r.timed_out and r.returncode is None and time.monotonic() - start < 30
+    r = _timed_out_after_writing([pid_file], code=code, forkserver=forked)
+    assert r.timed_out and r.returncode is None and time.monotonic() - start < 300
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # killed with the child's process group; reaped by init
         if not forkserver._running(grandchild):
@@ -253,15 +266,8 @@ def test_a_forked_childs_ranks_are_forked_into_its_process_group():
 def test_a_timed_out_child_takes_its_ranks_with_it(forked, tmp_path):
     rank = (f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w')"
             ".write(str(os.getpid())); time.sleep(60)")
-    # The timeout must fire after both ranks started, however busy the machine: a run that
-    # timed out before they wrote their pids is tried again with twice the time.
-    for timeout in (3, 6, 12, 24, 48):
-        for f in tmp_path.iterdir():
-            f.unlink()
-        r = run_isolated(code=RANKS.format(rank=rank), timeout=timeout, forkserver=forked)
-        if all((tmp_path / str(rank)).is_file() and (tmp_path / str(rank)).stat().st_size
-               for rank in range(2)):
-            break
+    r = _timed_out_after_writing([tmp_path / str(rank) for rank in range(2)],
+                                 code=RANKS.format(rank=rank), forkserver=forked)
     assert r.timed_out
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     for _ in range(50):
