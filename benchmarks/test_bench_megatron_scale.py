@@ -21,7 +21,7 @@ from benchmarks._spread import MIN_REPEATS
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
 # ``ep_steps``: timed steps of the expert-parallel cells. Each of their steps waits on the other
 # rank's collectives, whose jitter is in every step time: two 20-step runs of one cell differed
-# by about 1% (benchmarks/results/h200-2026-11-30-round5/), so 60 interleaved steps.
+# by about 1% (benchmarks/results/evidence/2026-11-30-h200-round5/), so 60 interleaved steps.
 PLAN = {
     # CPU: the fewest interleaved steps whose spread the dashboard reads (benchmarks._spread)
     "cpu": dict(models=("moe", "moe-ep2", "gpt-mtp"), sizes=((256, 256),), dtypes=("fp32",),
@@ -41,7 +41,7 @@ def _model_and_ep(model: str) -> tuple[str, int]:
 # The step-time goal: a reclaim may cost at most 1% over no reclaim (medians of step-by-step
 # ratios of >= 20 interleaved steps), asserted on GPU at H=2048/S=4096, whose steps are long
 # enough for a 1% ratio to be read. At H=1024/S=2048 the steps are launch-bound and 20 steps
-# spread wider than 1% for every reclaim, verl's too (benchmarks/results/h200-2026-11-30-round5/):
+# spread wider than 1% for every reclaim, verl's too (benchmarks/results/evidence/2026-11-30-h200-round5/):
 # recorded (``step_time_vs_none_ratio``), not bounded. Not on CPU: a shared machine's steps are
 # noisier still.
 STEP_TIME_LIMIT = 1.01
@@ -49,7 +49,7 @@ STEP_TIME_SIZES = ((2048, 4096),)
 # The CUDA caching allocator counts blocks, not tensor bytes: it serves a request from a cached
 # block up to 1 MiB larger without splitting it, and which block a request meets depends on the
 # allocation history. So two strategies freeing the same tensors differ by a few blocks either way
-# (benchmarks/results/h200-2026-12-01-read-through/: 48 KiB in one cell, the requested peak bytes
+# (benchmarks/results/evidence/2026-12-01-h200-read-through/: 48 KiB in one cell, the requested peak bytes
 # equal). So on CUDA: requested peak bytes exactly, the allocator's figures within its slack.
 # Exact on CPU (MemTracker counts storages).
 CUDA_ROUNDING = 0.001
