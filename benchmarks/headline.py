@@ -202,7 +202,7 @@ def write_readme(path: str | Path, runs: list[Run]) -> bool:
     return update_readme(path, readme_table(runs))
 
 
-COMPAT_MATRIX = RESULTS_DIR / "compat" / "matrix.json"
+COMPAT_MATRIX = RESULTS_DIR.parent / "compat" / "matrix.json"
 
 
 def with_compat_summary(text: str, matrix_path: Path = COMPAT_MATRIX,
