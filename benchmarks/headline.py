@@ -220,7 +220,9 @@ def with_compat_summary(text: str, matrix_path: Path = COMPAT_MATRIX,
         return text
     matrix = Matrix.from_json(json.loads(matrix_path.read_text()))
     age = freshness(matrix.commit.removesuffix("-dirty"), "compat", history or History())
-    return with_readme_summary(text, matrix, age.note() if age.stale else "")
+    # no commit named: the line changes only when the matrix's age does (as the table's rows)
+    older = f"{', '.join(age.changed) or 'its code'} changed after it" if age.stale else ""
+    return with_readme_summary(text, matrix, older)
 
 
 def main(argv: list[str] | None = None) -> int:
