@@ -219,10 +219,21 @@ def test_the_session_goes_on():
 """
 
 
-@pytest.mark.parametrize("flag", [[], ["--stackfix-sanitize"]], ids=["no-flag", "flag"])
-@pytest.mark.parametrize("style", [[], ["--tb=long"], ["-l"], ["--showlocals", "--tb=long"],
-                                   ["--tb=short"], ["--tb=native"]],
-                         ids=["default", "long", "l", "showlocals", "short", "native"])
+_STYLES = {"default": [], "long": ["--tb=long"], "l": ["-l"],
+           "showlocals": ["--showlocals", "--tb=long"], "short": ["--tb=short"],
+           "native": ["--tb=native"]}
+
+
+def _style_params():
+    """Every traceback style with and without the flag; those that print frame locals (where a
+    released tensor's repr would crash the session) in the fast suite, the rest deep."""
+    for flag_id, flag in (("no-flag", []), ("flag", ["--stackfix-sanitize"])):
+        for style_id, style in _STYLES.items():
+            marks = () if style_id in ("l", "showlocals") else (pytest.mark.deep,)
+            yield pytest.param(flag, style, marks=marks, id=f"{style_id}-{flag_id}")
+
+
+@pytest.mark.parametrize(("flag", "style"), _style_params())
 def test_a_released_storage_error_is_a_failure_under_every_traceback_style(pytester, monkeypatch,
                                                                            flag, style):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
