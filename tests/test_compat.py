@@ -342,5 +342,7 @@ def test_the_readme_says_which_commit_the_committed_matrix_describes():
     matrix = Matrix.from_json(json.loads((COMMITTED / "matrix.json").read_text()))
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
-    assert block == readme_summary(matrix), "regenerate with `tox -m compat` (it rewrites both)"
+    # (then, where fixes/ or repro/ changed after it, benchmarks.headline's "older than the code")
+    assert block.startswith(readme_summary(matrix)), \
+        "regenerate with `tox -m compat` (it rewrites both)"
     assert f"commit `{matrix.commit}`" in block
