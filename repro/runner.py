@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from repro.catalog import Entry
 from repro.harness.isolated import IsolatedResult, run_isolated
+from repro.harness.optional import torch_conflict
 from repro.harness.sanitize import ENV as SANITIZE_ENV
 from repro.registry import DECLARED_IN, SKIP_EXIT_CODE, Repro, reported_exception, reported_skip
 
@@ -118,6 +119,9 @@ def skip_reason(repro: Repro | Entry, device: str) -> str | None:
         return f"no {device} variant"
     if missing := repro.missing_requirements():
         return "missing " + ", ".join(missing)
+    for module in repro.requires:  # installed, on a torch older than it needs (no import)
+        if conflict := torch_conflict(module.split(".")[0]):
+            return conflict
     return repro.unmet_precondition()
 
 

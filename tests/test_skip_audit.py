@@ -162,3 +162,20 @@ def test_the_gpu_env_allows_exactly_torchtitan_not_being_installed(reason, allow
     # Before: any reason mentioning torchtitan passed the gpu and vllm envs' audits.
     audit = skip_audit._Audit("gpu")
     assert bool(audit.allowed.search(reason)) is allowed, reason
+
+
+def test_a_repro_needing_a_newer_torch_than_installed_is_skipped_before_any_child(monkeypatch):
+    # On the H200 image (torch 2.11) torchtitan 0.3.0 installs but its trainer does not import:
+    # the repros that require it skip with the conflict, as the tests do, instead of failing.
+    from repro import runner
+    from repro.harness import optional
+    from repro.registry import discover
+
+    repro = next(r for r in discover().values() if "torchtitan" in r.requires and "cpu" in r.devices)
+    monkeypatch.setattr(type(repro), "missing_requirements", lambda self: [])  # installed
+    monkeypatch.setattr(optional.importlib.metadata, "version",
+                        lambda name: {"torch": "2.11.0", "torchtitan": "0.3.0"}[name])
+    monkeypatch.setattr(optional.importlib.metadata, "requires", lambda name: [])
+    reason = runner.skip_reason(repro, "cpu")
+    assert reason == "torchtitan 0.3.0 needs torch >= 2.12 (found torch 2.11.0)"
+    assert skip_audit._Audit("gpu").allowed.search(reason)

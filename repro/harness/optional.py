@@ -26,7 +26,8 @@ import importlib.metadata
 import re
 from types import ModuleType
 
-__all__ = ["OptionalUnavailable", "TORCH_FLOORS", "import_optional", "require", "torch_floor"]
+__all__ = ["OptionalUnavailable", "TORCH_FLOORS", "import_optional", "require", "torch_conflict",
+           "torch_floor"]
 
 # The oldest torch a package's release needs, where its metadata does not declare it:
 # torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims (torch 2.12).
@@ -49,7 +50,7 @@ def import_optional(name: str) -> ModuleType:
             raise OptionalUnavailable(f"{package} has no module {missing} ({exc})") from exc
         raise
     except ImportError as exc:
-        conflict = _torch_conflict(package)
+        conflict = torch_conflict(package)
         if conflict:
             raise OptionalUnavailable(f"{conflict}: {name} does not import ({exc})") from exc
         raise OptionalUnavailable(f"{name} does not import here: {exc}") from exc
@@ -77,7 +78,7 @@ def torch_floor(package: str) -> tuple[str, str] | None:
     return (version, floor) if floor else None
 
 
-def _torch_conflict(package: str) -> str:
+def torch_conflict(package: str) -> str:
     """"PACKAGE V needs torch >= X (found torch Y)" when the installed torch is older than what
     ``package`` needs, else ""."""
     need = torch_floor(package)
