@@ -1,4 +1,4 @@
-"""The figures a reader sees: the committed runs under ``benchmarks/results/``, and of them the
+"""The figures a reader sees: the committed runs under ``benchmarks/results/runs/``, and of them the
 latest run of each scenario on each device kind -- what the dashboard's sections, its headline
 table and the README's generated table show (``benchmarks._views`` picks the same runs).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks._results import Row, Run, load_run
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "runs"
 
 
 def committed_result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:

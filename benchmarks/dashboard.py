@@ -4,7 +4,7 @@
                                    [--readme README.md] [--screenshot PNG] [--include-dirty]
                                    [--open ANCHOR] [--baselines DIR]
 
-Without result files it reads the committed ones (``benchmarks/results/*.json`` that git
+Without result files it reads the committed ones (``benchmarks/results/runs/*.json`` that git
 tracks). Contract of the page:
 
 - Runs of a dirty tree are left out (counted at the top) unless ``--include-dirty``; then
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="*", help="pytest-benchmark JSON files, one per run "
-                        "(default: the committed benchmarks/results/*.json)")
+                        "(default: the committed benchmarks/results/runs/*.json)")
     parser.add_argument("-o", "--output", required=True, help="HTML file to write")
     parser.add_argument("--readme", type=Path, help="also write the headline table into this "
                         "README, between its headline markers")

@@ -10,7 +10,7 @@ Two references, both committed:
 - the baseline, pytest-benchmark JSON filed per device kind under
   ``benchmarks/baselines/<kind>.json`` (``--baseline`` uses one file for every row instead);
 - the published figures: the latest committed run of each scenario on the run's device kinds
-  under ``benchmarks/results/`` -- what the dashboard and the README's generated table show
+  under ``benchmarks/results/runs/`` -- what the dashboard and the README's generated table show
   (``benchmarks._published``).
 
 Prints one line per figure against the baseline (scenario, strategy, metric, baseline, now,
@@ -27,7 +27,7 @@ unreadable file). Other figures (FLOPs, time ratios) are shown, not gated.
 ``--refresh`` is how a change that moves a figure on purpose updates what is committed, in the
 same change: from a run of a clean, committed tree it replaces the baseline entries whose memory
 figures moved (or that had none) with the run's, each stamped with the commit that measured it
-(``benchmarks._baseline``); files the run under ``benchmarks/results/`` (as
+(``benchmarks._baseline``); files the run under ``benchmarks/results/runs/`` (as
 ``python -m benchmarks.record``), so the dashboard shows it; and rewrites README.md's generated
 table from the committed runs and this one (``benchmarks.headline``). Then it compares again.
 """
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the smallest gap between strategies (what the tolerance must stay below)")
     parser.add_argument("--refresh", action="store_true",
                         help="make this run (of a clean, committed tree) the committed figures: "
-                        "replace the moved baseline entries, file the run under benchmarks/results/ "
+                        "replace the moved baseline entries, file the run under benchmarks/results/runs/ "
                         "and rewrite README.md's generated table")
     args = parser.parse_args(argv)
     try:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if grew or shrank or stale:
         print(f"gate: if the change is intended, refresh in this change: python -m benchmarks.gate "
               f"{args.results} --refresh (replaces the moved baseline entries, files the run under "
-              f"benchmarks/results/ and rewrites README.md's generated table); then rebuild the "
+              f"benchmarks/results/runs/ and rewrites README.md's generated table); then rebuild the "
               f"page: {DASHBOARD_COMMAND}")
         return EXIT_MOVED
     if unmatched and not args.allow_missing:

@@ -1,4 +1,4 @@
-"""File a benchmark run under ``benchmarks/results/`` for the dashboard's history.
+"""File a benchmark run under ``benchmarks/results/runs/`` for the dashboard's history.
 
     python -m benchmarks.record RESULTS.json [--allow-dirty] [--results-dir DIR]
 
@@ -18,9 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from benchmarks._published import RESULTS_DIR
 from benchmarks._results import ResultsError, Run, load_run
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def file_name(run: Run) -> str:

@@ -14,7 +14,7 @@
 #   bash ci/gpu_verl_engine.sh prepare            # here: 25 MiB in .whl (2026-12-01), ~5 min
 #   device run, kind nvidia-h200, carry [".whl"], timeout_s 600:
 #     WHEELS=.whl EVIDENCE=$OUT timeout 590 bash ci/gpu_offline.sh verl-engine
-#   then commit $OUT's verl-engine-*.json and logs under benchmarks/results/ with the commit id.
+#   then commit $OUT's verl-engine-*.json and logs under benchmarks/results/evidence/<date>-h200-<topic>/ (its README names the commit).
 #
 # Ray: `import verl` imports ray (verl/protocol.py, verl/single_controller/base/worker.py), and
 # ray's wheel (79 MB) is over one call's 64 MiB. The engine runs in one process and starts no
