@@ -473,7 +473,7 @@ SANITIZER = shutil.which("compute-sanitizer") or (
 # reach, so under host backtraces it keeps the shared input (events ``input:deferred input:kept``)
 # and memcheck's "0 errors" covers no release. With host backtraces off (``device``: the device
 # backtrace of a precise error is still printed) the decisions are the plain run's
-# (benchmarks/results/h200-2026-11-30-round4/probe-*.log), and every memcheck test below asserts,
+# (benchmarks/results/evidence/2026-11-30-h200-round4/probe-*.log), and every memcheck test below asserts,
 # through recompute_reclaim_events, that memory was released. API errors are not reported: a real
 # megatron-core MoE step makes 8 failing cudaFuncGetAttributes / cudaGetLastError probes
 # (cudaErrorNoKernelImageForDevice) that its ops survive; what these tests check is memory access.
