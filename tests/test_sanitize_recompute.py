@@ -455,6 +455,19 @@ def test_megatron_checkpoint_without_output_regions_are_compared():
     state["scale"] = 1.0
 
 
+def test_a_tests_own_entry_joins_the_plugins_only_with_its_arguments():
+    from fixes.sanitize._callsite import entered_as
+
+    with entered_as("by the plugin", "mark the test", joinable=True), \
+            recompute_sanitizer(values="sampled") as outer:
+        with recompute_sanitizer(values="sampled") as inner:
+            assert inner is outer
+        with pytest.raises(RuntimeError, match=r"already active \(entered by the plugin with "
+                           r"values='sampled', sample_every=8, not values='all', sample_every=8\)"):
+            with recompute_sanitizer():
+                pass
+
+
 def test_everything_is_put_back_and_nesting_is_refused():
     import torch.utils.checkpoint as tuc
 

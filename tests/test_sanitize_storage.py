@@ -7,6 +7,7 @@ later op reads."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -312,6 +313,33 @@ def test_nesting_is_refused_with_the_first_entry_named():
                 pass
         torch.randn(2).untyped_storage().resize_(0)  # the outer one still records
     assert len(outer.releases) == 1
+
+
+@pytest.mark.cpu
+def test_a_tests_own_entry_joins_the_plugins_on_its_thread_only():
+    from fixes.sanitize._callsite import entered_as
+
+    with contextlib.ExitStack() as plugin:  # as the pytest plugin enters it around a test
+        with entered_as("by the plugin", "mark the test", joinable=True):
+            outer = plugin.enter_context(storage_sanitizer())
+        with storage_sanitizer() as inner:  # the test's own: joins, undoes nothing on exit
+            assert inner is outer
+        assert "resize_" in torch.UntypedStorage.__dict__
+        torch.randn(2).untyped_storage().resize_(0)  # the plugin's still records
+        refused = []
+
+        def elsewhere():
+            try:
+                with storage_sanitizer():
+                    pass
+            except RuntimeError as e:
+                refused.append(str(e))
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        assert refused and "already active (entered by the plugin)" in refused[0]
+    assert len(outer.releases) == 1 and "resize_" not in torch.UntypedStorage.__dict__
 
 
 @pytest.mark.cpu

@@ -67,11 +67,14 @@ _entering = threading.local()
 
 
 @contextlib.contextmanager
-def entered_as(who: str, hint: str) -> Iterator[None]:
+def entered_as(who: str, hint: str, joinable: bool = False) -> Iterator[None]:
     """Sanitizers entered on this thread inside this block are recorded as entered ``who``
-    (e.g. "by the pytest plugin ..."), and a second entry is told ``hint`` (what fixes it)."""
+    (e.g. "by the pytest plugin ..."), and a second entry is told ``hint`` (what fixes it).
+    ``joinable``: a later entry of the same sanitizer with the same arguments on this thread
+    joins the one entered here instead of being refused (a user's own ``with
+    storage_sanitizer():`` inside a test the pytest plugin already sanitizes)."""
     saved = getattr(_entering, "label", None)
-    _entering.label = (who, hint)
+    _entering.label = (who, hint, joinable)
     try:
         yield
     finally:
@@ -80,24 +83,40 @@ def entered_as(who: str, hint: str) -> Iterator[None]:
 
 class ActiveSlot:
     """At most one active sanitizer of a kind: ``claim`` it on entry (RuntimeError naming where
-    the active one was entered, if any), ``release`` it on exit."""
+    the active one was entered, if any), ``release`` it on exit; ``joinable`` first, for an
+    entry that joins an active one entered under ``entered_as(..., joinable=True)``."""
 
     def __init__(self, name: str):
         self.name = name  # e.g. "storage_sanitizer()"
         self._lock = threading.Lock()
-        self._entry: tuple[object, str, str | None] | None = None
+        # (sanitizer, who, hint, joinable by thread ident or None, its arguments)
+        self._entry: tuple[object, str, str | None, int | None, str] | None = None
 
-    def claim(self, sanitizer: object, site: tuple[str, ...]) -> None:
+    def joinable(self, arguments: str = "") -> object | None:
+        """The active sanitizer, where this thread entered it under ``entered_as(...,
+        joinable=True)`` with the same ``arguments`` (a description, e.g. "values='all'"):
+        entering again joins it (a no-op: the caller yields it and undoes nothing). None
+        otherwise (``claim`` then refuses, naming both arguments where only they differ)."""
+        entry = self._entry
+        if entry is None or entry[3] != threading.get_ident() or entry[4] != arguments:
+            return None
+        return entry[0]
+
+    def claim(self, sanitizer: object, site: tuple[str, ...], arguments: str = "") -> None:
         label = getattr(_entering, "label", None)
-        who, hint = label if label is not None else (f"at {describe_site(site)}", None)
+        who, hint, joinable = label if label is not None else (
+            f"at {describe_site(site)}", None, False)
         with self._lock:
             if self._entry is not None:
-                _, active_who, active_hint = self._entry
+                _, active_who, active_hint, _, active_arguments = self._entry
+                differ = (f" with {active_arguments}, not {arguments}"
+                          if active_arguments != arguments else "")
                 raise RuntimeError(
-                    f"{self.name} is already active (entered {active_who}); it cannot be nested "
-                    "or entered twice at once" + (f": {active_hint}" if active_hint else "")
-                )
-            self._entry = (sanitizer, who, hint)
+                    f"{self.name} is already active (entered {active_who}{differ}); it cannot "
+                    "be nested or entered twice at once" + (f": {active_hint}" if active_hint
+                                                            else ""))
+            self._entry = (sanitizer, who, hint,
+                           threading.get_ident() if joinable else None, arguments)
 
     def release(self) -> None:
         with self._lock:

@@ -226,11 +226,16 @@ def mesh_sanitizer() -> Iterator[MeshSanitizer]:
     """While active, a torchtitan spmd redistribution or an spmd_types mesh lookup that finds no
     mesh during backward / checkpoint recompute raises ``MeshLostError`` (see the module
     docstring). Needs spmd_types (ModuleNotFoundError naming it otherwise); torchtitan's seam
-    is wrapped where torchtitan is installed. Not reentrant: RuntimeError if already active."""
+    is wrapped where torchtitan is installed. Not reentrant: RuntimeError if already active
+    (a test's own entry joins the pytest plugin's, as ``storage_sanitizer()``'s does)."""
     spmd_types = _require_spmd_types()
     if not hasattr(torch._C, "_current_graph_task_id"):
         raise RuntimeError(f"mesh_sanitizer() needs torch._C._current_graph_task_id "
                            f"(torch {torch.__version__} lacks it)")
+    joined = _slot.joinable()
+    if joined is not None:  # the pytest plugin's, entered by this thread: this entry joins it
+        yield joined
+        return
     here = call_site()
     sanitizer = MeshSanitizer()
     _slot.claim(sanitizer, here)

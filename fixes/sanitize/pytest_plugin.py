@@ -122,7 +122,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
     with contextlib.ExitStack() as stack:
         with entered_as(f"by the pytest plugin {__name__} ({OPTION}) around {item.nodeid}",
-                        f"mark the test @pytest.mark.{MARKER} to enter the sanitizers itself"):
+                        f"mark the test @pytest.mark.{MARKER} to enter the sanitizers itself",
+                        joinable=True):
             for name in SANITIZERS:
                 if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
                     kwargs = {"values": names[name]} if name == "recompute" else {}

@@ -211,7 +211,8 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     of a reentrant one, and the tensors outside the region it leaves changed); a difference
     raises ``RecomputeMismatchError`` when the recompute ends, naming what differs and where
     the recompute first departs from its forward (op, position, both call sites). Not
-    reentrant: RuntimeError if active.
+    reentrant: RuntimeError if active (a test's own entry with the pytest plugin's arguments
+    joins the plugin's, as ``storage_sanitizer()``'s does).
 
     ``values`` (a ``Values`` or its name): how much is fingerprinted, besides the metadata of
     everything and the contents of outside tensors a recompute writes. ``"all"``:
@@ -231,9 +232,14 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1:
         raise ValueError(f"recompute_sanitizer: sample_every must be an int >= 1, got "
                          f"{sample_every!r}")
+    arguments = f"values={values!r}, sample_every={sample_every}"
+    joined = _slot.joinable(arguments)
+    if joined is not None:  # the pytest plugin's, entered by this thread: this entry joins it
+        yield joined
+        return
     here = call_site()
     sanitizer = RecomputeSanitizer(values=values, sample_every=sample_every)
-    _slot.claim(sanitizer, here)
+    _slot.claim(sanitizer, here, arguments)
     patches: list[_Patch] = []
     hook = None
 
