@@ -80,6 +80,27 @@ def test_fixtures_run_megatron_checkpoint_and_the_reclaim_on_cpu(pytester):
     assert outcomes.get("passed", 0) >= 3 and not {"failed", "errors"} & set(outcomes), outcomes
 
 
+def test_megatron_and_torch_jits_known_warnings_are_not_a_users(pytester):
+    # A user's session shows none of megatron-core's import-time warnings on a machine without
+    # Transformer Engine / Apex, nor torch.jit's script_method deprecation its modules trigger
+    # (the plugin files them ahead of the project's own filters); a warning of the user's own
+    # code still shows.
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed")
+    pytester.makepyfile(test_user="""
+import warnings
+
+from megatron.core import tensor_parallel  # noqa: F401  (at collection, as users import it)
+
+
+def test_uses_megatron(megatron_cpu):
+    warnings.warn("the user's own")
+""")
+    result = pytester.runpytest_subprocess(*_plugin_args(), "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1, warnings=1)
+    assert "the user's own" in result.stdout.str()
+
+
 def test_loading_the_plugin_imports_no_torch():
     code = (f"import sys, {PLUGIN}, fixes.testing; "
             "print([m for m in ('torch', 'megatron', 'repro') if m in sys.modules])")

@@ -15,6 +15,10 @@ turn a suite into skips):
   ``fixes.megatron.apply_recompute_reclaim_patch()`` for the test, inside
   ``fixes.megatron.recompute_reclaim_events()``); yields the ``ReclaimEvent`` s.
 
+megatron-core's import-time warnings on a machine without Transformer Engine / Apex and
+torch.jit's ``script_method`` deprecation are filtered (``KNOWN_WARNINGS``), ahead of the
+project's own ``filterwarnings``.
+
 Loading it imports neither torch nor megatron: pytest loads it in every session of an
 environment with stackfix installed.
 """
@@ -29,6 +33,17 @@ import pytest
 from fixes.testing import megatron_on_cpu, recompute_reclaim
 
 MARKERS = {"cpu": "runs on any machine (CPU only)", "gpu": "needs CUDA"}
+# What importing megatron-core says on a machine without Transformer Engine or Apex (every CPU
+# machine the fixtures are for), and torch's deprecation of torch.jit.script_method, which
+# megatron-core's modules still use: nothing a user's test can act on. Filed ahead of the
+# project's own ``filterwarnings`` and ``-W``, so either can bring one back
+# (``-W default::DeprecationWarning``).
+KNOWN_WARNINGS = (
+    "ignore:Transformer Engine and Apex are not installed:UserWarning:megatron",
+    "ignore:Apex is not installed:UserWarning:megatron",
+    "ignore:The following imports from `dynamic_context.py` will be removed:DeprecationWarning:megatron",
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning:torch.jit",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,6 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, help_ in MARKERS.items():
         if name not in declared:
             config.addinivalue_line("markers", f"{name}: {help_}")
+    # getini's list is the one pytest applies (addinivalue_line appends to it too): the known
+    # warnings go first, so that the project's own lines, which come later, take precedence.
+    config.getini("filterwarnings")[:0] = KNOWN_WARNINGS
 
 
 @pytest.fixture
