@@ -3,7 +3,8 @@
 The benchmark families name the same strategies differently (``recompute-reclaim``: ``unsafe`` /
 ``mtp-skip``; ``megatron-scale``: ``verl-0.8.0`` / ``verl-0.9.1``); ``REFERENCES`` maps each
 reference (a column of the page and of the README table) to the names it goes by.
-``STRATEGY_NOTES`` says on the page what every name means. Standard library only.
+``STRATEGY_NOTES`` says on the page what every name means; ``display_name`` is what a section
+shows for one (the headline's names). Standard library only.
 """
 
 from __future__ import annotations
@@ -71,6 +72,20 @@ def reference_title(title: str, family: str) -> str:
     """A reference column's title in ``family``: ``no reclaim`` is ``no checkpointing`` for the
     activation-checkpoint benchmarks, ``no sanitizer`` for the sanitizers'."""
     return NONE_TITLES.get(family, title) if title == REFERENCES[0][0] else title
+
+
+# The names the README's headline gives the verl releases' reclaims (the benchmarks' own names:
+# STRATEGY_NOTES); "none" is named as its family's reference column is (``reference_title``).
+DISPLAY_NAMES = {"unsafe": "verl 0.8.0", "verl-0.8.0": "verl 0.8.0",
+                 "mtp-skip": "verl 0.9.1", "verl-0.9.1": "verl 0.9.1"}
+
+
+def display_name(strategy: str, family: str) -> str:
+    """What a section calls ``strategy``: a verl release's reclaim by the release (as the
+    headline does), ``none`` by what it is in ``family`` ("no reclaim", "no sanitizer", ...)."""
+    if strategy == REFERENCES[0][1][0]:
+        return reference_title(REFERENCES[0][0], family)
+    return DISPLAY_NAMES.get(strategy, strategy)
 
 
 def versus(row: Row | None, reference: Row | None, metric: str) -> Versus | None:

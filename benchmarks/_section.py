@@ -26,6 +26,7 @@ from pathlib import Path
 from benchmarks import _svg
 from benchmarks._compare import (
     REFERENCES,
+    display_name,
     main_pair,
     note_for,
     reference_rows,
@@ -139,21 +140,24 @@ def _summary_delta(view: ScenarioView, metrics: list[str]) -> str:
     subject, reference = pair
     metric = metrics[0]
     rows = view.latest.rows
-    head = f"{escape(subject)} / {escape(reference)}, {escape(metric.removesuffix('_bytes'))}: "
+    family = _family(view)
+    head = (f"{escape(display_name(subject, family))} / {escape(display_name(reference, family))}, "
+            f"{escape(metric.removesuffix('_bytes'))}: ")
     if subject in rows and rows[subject].crashed:
         return f'<span class="delta">{head}<span class="crashed">crashed ({escape(rows[subject].crashed)})</span></span>'
     if is_time_metric(metric):  # noise unless read with its spread: no "previous run" either
         # the figure is already a ratio to its reference: name the strategy alone
-        head = f"{escape(subject)}, {escape(metric)}: "
+        head = f"{escape(display_name(subject, family))}, {escape(metric)}: "
         return f'<span class="delta">{head}{_time_cell(rows.get(subject), metric)}</span>'
     v = versus(rows.get(subject), rows.get(reference), metric)
     text = head + _versus_cell(metric, v)
-    prev = view.previous.rows.get(subject) if view.previous else None
-    now = rows.get(subject)
-    change = ("none (first run)" if view.previous is None else
-              _relative(now.metrics.get(metric) if now else None,
-                        prev.metrics.get(metric) if prev else None))
-    text += f' <span class="note">· vs previous run {escape(change)}</span>'
+    if view.previous is None:
+        text += ' <span class="note">· the first committed run of this scenario</span>'
+    else:
+        prev, now = view.previous.rows.get(subject), rows.get(subject)
+        change = _relative(now.metrics.get(metric) if now else None,
+                           prev.metrics.get(metric) if prev else None)
+        text += f' <span class="note">· vs previous run {escape(change)}</span>'
     return f'<span class="delta">{text}</span>'
 
 
@@ -180,8 +184,26 @@ def _time_cell(row: Row | None, metric: str) -> str:
     reading = spread.reading(1.0)
     if reading in READING_CLASSES:
         median = f'<span class="{READING_CLASSES[reading]}">{median}</span>'
-    return (f'{median} [{text(spread.low)}-{text(spread.high)}], {spread.count} repeats · '
-            f'<span class="note">{escape(str(reading))}</span>')
+    # Say what the ratio compares, and for a range across 1.0 on which side its median lies:
+    # "within noise" next to a 3x median read as "no cost".
+    said = str(reading)
+    if reading is Reading.SPANS and spread.low == spread.high:
+        said = "1 in every repeat"  # the reference itself
+    elif reading is Reading.SPANS and spread.median != 1:
+        side = "above" if spread.median > 1 else "below"
+        said = f"median {side} 1, but {said}: not {side} it in every repeat"
+    return (f'{median} [{text(spread.low)}-{text(spread.high)}] '
+            f'<span class="note">({escape(_compared(metric))})</span>, {spread.count} repeats · '
+            f'<span class="note">{escape(said)}</span>')
+
+
+def _compared(metric: str) -> str:
+    """What a ratio figure divides by what: its title up to the parenthesis."""
+    return METRIC_TITLES.get(metric, metric).split(" (", 1)[0]
+
+
+def _family(view: ScenarioView) -> str:
+    return view.scenario.split("/")[0]
 
 
 def _time_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
@@ -192,15 +214,15 @@ def _time_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str
         row = latest.get(s)
         if row is not None and not row.crashed and metric not in row.metrics:
             continue
-        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours)}</td>'
+        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours, _family(view))}</td>'
                    f'<td>{_time_cell(row, metric)}</td></tr>')
     out.append("</table>")
     return "".join(out)
 
 
-def _key(strategy: str, colours: dict[str, str]) -> str:
+def _key(strategy: str, colours: dict[str, str], family: str) -> str:
     return (f'<span class="key"><i style="background:{colours.get(strategy, "#999")}"></i>'
-            f'{escape(strategy)}</span>')
+            f'{escape(display_name(strategy, family))}</span>')
 
 
 def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
@@ -226,7 +248,7 @@ def _figure_table(view: ScenarioView, metric: str, colours: dict[str, str]) -> s
                  for _, ref in refs]
         prev = previous[s].metrics.get(metric) if s in previous else None
         base = view.baseline[s].metrics.get(metric) if s in view.baseline else None
-        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours)}</td>'
+        out.append(f'<tr><td title="{escape(note_for(s))}">{_key(s, colours, _family(view))}</td>'
                    f'<td>{_value_cell(row, metric)}</td>'
                    + "".join(f"<td>{c}</td>" for c in cells)
                    + f"<td>{escape(_relative(now, prev))}</td><td>{escape(_relative(now, base))}</td></tr>")
@@ -238,18 +260,22 @@ def _bars(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
     """The latest run's strategies side by side; a time figure's bars only where it has
     repeats (their median, the spread as a whisker)."""
     bars = []
+
+    def name(strategy: str) -> str:
+        return display_name(strategy, _family(view))
+
     for s in view.strategies:
         row = view.latest.rows.get(s)
         colour = colours.get(s, "#999")
         if row is None or row.crashed:
-            bars.append(_svg.Bar(s, None, colour, note=f"crashed ({row.crashed})" if row else
+            bars.append(_svg.Bar(name(s), None, colour, note=f"crashed ({row.crashed})" if row else
                                  "not in this run"))
         elif is_time_metric(metric):
             spread = spread_of(row.repeats, metric)
             if spread is not None:
-                bars.append(_svg.Bar(s, spread.median, colour, (spread.low, spread.high)))
+                bars.append(_svg.Bar(name(s), spread.median, colour, (spread.low, spread.high)))
         elif metric in row.metrics:
-            bars.append(_svg.Bar(s, row.metrics[metric], colour))
+            bars.append(_svg.Bar(name(s), row.metrics[metric], colour))
     if not any(b.value is not None for b in bars):
         return ""
     return _svg.bar_chart(bars, lambda v: fmt(metric, v), _axis(metric),
@@ -263,7 +289,7 @@ def _history(view: ScenarioView, metric: str, colours: dict[str, str]) -> str:
         return (_bars(view, metric, colours)
                 + '<p class="note">history: one committed run of this scenario so far.</p>')
     labels = [tuple(p.label.split(" ", 1)) if " " in p.label else (p.label, "") for p in view.history]
-    series = [(s, [p.rows[s].metrics.get(metric) if s in p.rows else None for p in view.history],
+    series = [(display_name(s, _family(view)), [p.rows[s].metrics.get(metric) if s in p.rows else None for p in view.history],
                colours.get(s, "#999")) for s in view.strategies]
     series = [s for s in series if any(v is not None for v in s[1])]
     return _svg.line_chart(labels, series, lambda v: fmt(metric, v), _axis(metric),

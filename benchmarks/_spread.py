@@ -8,7 +8,7 @@ a ratio counts as a result only when the spread of its repeats lies on one side 
 - ``ratios_to(times, reference)``: per strategy, repeat by repeat, its time over the
   reference's in the same repeat (a clock or load drift over the run cancels out).
 - ``Spread``: the median of the repeats and their range (lowest to highest). ``reading``: BELOW
-  or ABOVE the reference only when the whole range is; NOISE when the range covers it; TOO_FEW
+  or ABOVE the reference only when the whole range is; SPANS when the range covers it; TOO_FEW
   under ``MIN_REPEATS`` repeats (no spread to judge by).
 Standard library only.
 """
@@ -40,7 +40,7 @@ def ratios_to(times: Mapping[str, Sequence[float]], reference: str) -> dict[str,
 class Reading(StrEnum):
     BELOW = "below 1 in every repeat"
     ABOVE = "above 1 in every repeat"
-    NOISE = "within noise"  # the spread covers the reference
+    SPANS = "the range spans 1.0"  # lowest <= reference <= highest: no side in every repeat
     TOO_FEW = "too few repeats"
 
 
@@ -62,7 +62,7 @@ class Spread:
             return Reading.BELOW
         if self.low > reference:
             return Reading.ABOVE
-        return Reading.NOISE
+        return Reading.SPANS
 
     def text(self, fmt: Callable[[float], str]) -> str:
         return f"{fmt(self.median)} [{fmt(self.low)}-{fmt(self.high)}], {self.count} repeats"

@@ -14,8 +14,9 @@ tracks). Contract of the page:
   the whole page, as tall as it is (headless Chromium, ``benchmarks._browser``), in the same
   command.
 - One collapsible section per device kind and scenario, showing the latest run *of that
-  scenario on that kind*. Its one-line summary (visible while collapsed) gives ours against no
-  reclaim and the change since the previous run. Open, it gives per figure every strategy's
+  scenario on that kind*, its strategies named as the headline names them ("verl 0.8.0", not
+  ``unsafe``: ``_compare.display_name``). Its one-line summary (visible while collapsed) gives
+  ours against no reclaim and the change since the previous run (or that it is the first). Open, it gives per figure every strategy's
   value, its ratio and difference against the family's "none" and each verl release
   (``benchmarks._compare``), its change against the previous run and the baseline
   (``baselines/<kind>.json``, the gate's), the commit, date and environment of the run, and a
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from benchmarks import _browser, _svg, headline
 from benchmarks._baseline import BASELINE_DIR, baseline_path_for
-from benchmarks._compare import note_for
+from benchmarks._compare import DISPLAY_NAMES, note_for
 from benchmarks._freshness import History, freshness
 from benchmarks._published import RESULTS_DIR, committed_result_files
 from benchmarks._results import ResultsError, Run, load_run
@@ -141,8 +142,10 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
                   f"marked)" if left_out else "")
     if include_dirty and any(r.dirty for r in shown):
         dirty_note = '; <span class="dirty">runs of a dirty tree included, marked +dirty</span>'
-    strategies = "".join(f"<tr><td>{escape(s)}</td><td>{escape(note_for(s))}</td></tr>"
-                         for s in colours if note_for(s))
+    # a section shows a verl release's reclaim by the release's name: both names here
+    strategies = "".join(
+        f"<tr><td>{escape(DISPLAY_NAMES[s] + ' (' + s + ')' if s in DISPLAY_NAMES else s)}</td>"
+        f"<td>{escape(note_for(s))}</td></tr>" for s in colours if note_for(s))
     age = ""
     if history is not None:
         age = (f' Each run is judged against the code as of {escape(history.head()[:8] or "?")}: '

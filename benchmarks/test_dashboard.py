@@ -100,8 +100,19 @@ def test_a_crashed_strategy_shows_as_crashed_with_its_error():
 def test_the_section_summary_gives_ours_against_no_reclaim_and_the_previous_run():
     cpu = section(dashboard.render([OLD, NEW]), "cpu", SCN)
     summary = cpu.split("</summary>")[0]
-    assert "ours / none, peak: " in summary and ">0.800</span>" in summary
+    assert "ours / no reclaim, peak: " in summary and ">0.800</span>" in summary
     assert "vs previous run -3.03%" in summary
+
+
+def test_a_sections_first_run_says_so_and_names_strategies_as_the_headline_does():
+    cpu = section(dashboard.render([NEW]), "cpu", SCN)
+    summary = cpu.split("</summary>")[0]
+    assert "the first committed run of this scenario" in summary and "vs previous run" not in summary
+    table = cpu.split("<table>")[1].split("</table>")[0]
+    keys = re.findall(r'<span class="key"><i [^>]*></i>([^<]+)</span>', table)
+    assert keys == ["no reclaim", "verl 0.8.0", "verl 0.9.1", "ours"], keys
+    names = dashboard.render([NEW]).split('class="names"')[1].split("</table>")[0]
+    assert "verl 0.8.0 (unsafe)" in names and "verl 0.9.1 (mtp-skip)" in names
 
 
 def test_change_against_the_baseline():
@@ -230,10 +241,15 @@ def test_a_time_ratio_whose_spread_covers_one_is_not_coloured_as_a_gain():
     summary = html.split("</summary>")[0]
     # the ratio's reference is in the figure (strategy / no sanitizer): the line names none other
     assert "storage-slow-path, sanitizer_step_time_ratio: " in summary
-    assert "0.794x [0.610x-1.120x], 5 repeats" in summary and "within noise" in summary
-    assert 'class="good"' not in html and 'class="bad"' not in html
+    assert "0.794x [0.610x-1.120x] " in summary and ", 5 repeats" in summary
+    # what the ratio compares, and which side of 1 its median is on -- never "within noise"
+    assert "(step time under the sanitizer(s) / without)" in summary
+    assert "median below 1, but the range spans 1.0: not below it in every repeat" in summary
+    assert 'class="good"' not in html and 'class="bad"' not in html and "noise" not in summary
     row = html.split("storage-slow-path</span></td>")[1].split("</tr>")[0]
-    assert "[0.610x-1.120x]" in row and "within noise" in row
+    assert "[0.610x-1.120x]" in row and "the range spans 1.0" in row
+    reference = html.split("no sanitizer</span></td>")[1].split("</tr>")[0]
+    assert "1.000x [1.000x-1.000x]" in reference and "1 in every repeat" in reference
 
 
 def test_a_time_ratio_on_one_side_of_one_in_every_repeat_is_coloured():
@@ -265,8 +281,9 @@ def test_a_single_run_gets_a_chart_of_its_strategies():
     assert 'class="bars"' in html and html.count("<svg") >= 1
     # every strategy has a bar (or says it crashed), labelled with its name
     bars = html.split('class="bars"')[1].split("</svg>")[0]
-    for s in ("none", "mtp-skip", "ours"):
+    for s in ("no reclaim", "verl 0.9.1", "ours"):  # the headline's names
         assert f">{s}</text>" in bars
+    assert ">mtp-skip</text>" not in bars and ">none</text>" not in bars
     assert "crashed (SIGSEGV)" in bars
 
 

@@ -35,7 +35,7 @@ def test_a_spread_is_the_median_and_the_range_of_its_repeats():
 
 
 @pytest.mark.parametrize("values, reading", [
-    ([0.7, 0.8, 0.9, 0.95, 1.02], Reading.NOISE),  # the spread covers 1.0: not a gain
+    ([0.7, 0.8, 0.9, 0.95, 1.02], Reading.SPANS),  # the spread covers 1.0: not a gain
     ([0.7, 0.8, 0.9, 0.95, 0.99], Reading.BELOW),
     ([1.01, 1.2, 1.3, 1.4, 1.5], Reading.ABOVE),
     ([0.5, 0.5, 0.5], Reading.TOO_FEW),  # fewer than MIN_REPEATS: no spread to judge by

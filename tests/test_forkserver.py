@@ -410,9 +410,12 @@ def test_shared_types_live_in_a_leaf_module_the_fork_server_does_not_import_isol
                 names.update(a.name for a in node.names)
         return {n for n in names if n.startswith("repro")}
 
-    isolated_names = {n for n in repro_imports(forkserver)
-                      if n == "repro.harness.isolated" or n.startswith("repro.harness.isolated.")}
-    assert not isolated_names
+    from repro.harness import forkserver_request
+
+    for module in (forkserver, forkserver_request):
+        isolated_names = {n for n in repro_imports(module) if n == "repro.harness.isolated"
+                          or n.startswith("repro.harness.isolated.")}
+        assert not isolated_names, module
     leaf = inspect.getmodule(isolated.IsolatedResult)
     assert leaf is not isolated and not repro_imports(leaf), leaf
-    assert forkserver.IsolatedResult is isolated.IsolatedResult
+    assert forkserver_request.IsolatedResult is isolated.IsolatedResult

@@ -132,6 +132,8 @@ def test_the_audit_fails_a_run_that_skipped_for_a_package_its_env_installs(tmp_p
     assert "test_skips_for_no_cuda:" not in r.stdout  # allowed on cpu; xfail is no skip
     r = _inner_pytest(tmp_path, "--skip-audit=cpu", "-k", "no_cuda or xfails")
     assert r.returncode == 0, r.stdout[-3000:]
+    # a run it lets pass says so too, in one line
+    assert "skip audit (tox env cpu): 1 skip, every reason one this env allows" in r.stdout
     r = _inner_pytest(tmp_path, "--skip-audit=gpu", "-k", "no_cuda")  # not on a GPU runner
     assert r.returncode == 1, r.stdout[-3000:]
 

@@ -177,7 +177,7 @@ def test_engine_init_on_cpu_installs_no_reclaim_and_stops_at_the_first_cuda_call
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_training_batch_goes_through_the_engines_forward_backward_batch_and_sft_loss(
         kind, tmp_path):
-    """The batch ``train`` hands ``engine.train_batch`` (repro/verl_engine.py ``engine_batch``:
+    """The batch ``train`` hands ``engine.train_batch`` (repro/harness/verl_engine_inputs.py ``engine_batch``:
     verl's SFT collator and meta), through the engine's own ``forward_backward_batch`` with
     verl's ``sft_loss``; stand-ins for the model and megatron's schedule only (CUDA). The
     H200's ``values expected sparse tensor layout but got Strided`` (``sft_loss``,

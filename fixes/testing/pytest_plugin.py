@@ -54,7 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
             config.addinivalue_line("markers", f"{name}: {help_}")
     # getini's list is the one pytest applies (addinivalue_line appends to it too): the known
     # warnings go first, so that the project's own lines, which come later, take precedence.
-    config.getini("filterwarnings")[:0] = KNOWN_WARNINGS
+    try:
+        config.getini("filterwarnings")[:0] = KNOWN_WARNINGS
+    except ValueError:  # -p no:warnings: pytest captures no warnings, there is nothing to filter
+        pass
 
 
 @pytest.fixture

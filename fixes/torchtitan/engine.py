@@ -10,7 +10,7 @@ model's ``parallelize_fn`` (TP / FSDP / AC / compile), ``OptimizersContainer.Con
 ``get_spmd_context`` -- but not torchtitan's ``Trainer`` object, whose constructor hard-codes
 CUDA (``device_module.set_device``). The one CUDA assumption left on the way,
 ``ParallelDims.build_mesh`` building its mesh for ``torchtitan.tools.utils.device_type`` (which
-is "cuda" on a machine without an accelerator), is redirected by ``_mesh_device_type``.
+is "cuda" on a machine without an accelerator), is redirected by ``mesh_device_type`` (``fixes.torchtitan.build``).
 
 The crash-1 fixes are in ``forward_backward_batch``: the spmd mesh context
 (torchtitan's ``train_context``) spans the forward *and* the backward of every micro-batch
@@ -28,15 +28,21 @@ import logging
 import math
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 
 import torch
 import torch.distributed as dist
 
 from fixes.torchtitan.backward_threads import single_threaded_backward
-from fixes.torchtitan.config import ATTN_TYPES, TorchtitanEngineConfig, check_fsdp_supported
+from fixes.torchtitan.build import (
+    build_model_spec,
+    mesh_device_type,
+    parallelize_without_fsdp,
+    skip_fsdp,
+    torchtitan_version,
+)
+from fixes.torchtitan.config import TorchtitanEngineConfig, check_fsdp_supported
 from fixes.torchtitan.mesh_checkpoint import make_checkpoint_wrappers_mesh_preserving
 
 __all__ = ["MicroBatch", "StepResult", "TorchtitanEngine", "build_model_spec", "canonical_param_name"]
@@ -63,57 +69,6 @@ class StepResult:
         return math.fsum(self.losses)
 
 
-def build_model_spec(name: str, flavor: str, attn_type: str):
-    """torchtitan's ``ModelSpec`` for (name, flavor) with ``attn_type`` honoured (verl #6182:
-    the attention type was silently ignored when it was not passed to ``model_registry``).
-
-    flex / flex_flash / varlen go to ``model_registry(flavor, attn_backend=attn_type)``.
-    torchtitan 0.3.0 rejects "sdpa" for language models; it is built the way torchtitan's
-    graph_trainer tests build it (``build_decoder_config_for_backend``): the flex config with
-    every layer's inner attention swapped to ``ScaledDotProductAttention`` (causal only).
-    """
-    import importlib
-
-    if attn_type not in ATTN_TYPES:
-        raise ValueError(f"attn_type={attn_type!r} is not supported; allowed: {ATTN_TYPES}")
-    module = importlib.import_module(f"torchtitan.models.{name}")
-    backend = "flex" if attn_type == "sdpa" else attn_type
-    try:
-        spec = module.model_registry(flavor, attn_backend=backend)
-    except KeyError:
-        from fixes.torchtitan.flavor import flavor_shapes
-
-        raise ValueError(
-            f"torchtitan {name} has no flavor {flavor!r}; allowed: {list(flavor_shapes(name))}"
-        ) from None
-    except ValueError as exc:
-        # e.g. flex_flash without a Hopper/Blackwell GPU: say so, never fall back silently.
-        raise ValueError(f"torchtitan {name} cannot build attn_type={attn_type!r}: {exc}") from exc
-    if attn_type == "sdpa":
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-
-        for layer in spec.model.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return spec
-
-
-@contextlib.contextmanager
-def _mesh_device_type(device_type: str) -> Iterator[None]:
-    """Build torchtitan meshes for ``device_type``. ``ParallelDims.build_mesh`` calls
-    ``init_device_mesh(device_type, ...)`` with the module global it imported from
-    ``torchtitan.tools.utils``, which falls back to "cuda" when no accelerator is present
-    (tools/utils.py ``get_device_info``); FSDP then asks CUDA for the current device. The
-    global is swapped for the duration of the call and put back."""
-    from torchtitan.distributed import parallel_dims
-
-    saved = parallel_dims.device_type
-    parallel_dims.device_type = device_type
-    try:
-        yield
-    finally:
-        parallel_dims.device_type = saved
-
-
 # Wrappers that insert a submodule into parameter names: activation checkpointing's
 # CheckpointWrapper and torch.compile's OptimizedModule.
 _WRAPPER_NAME_PARTS = ("._checkpoint_wrapped_module", "._orig_mod")
@@ -124,53 +79,6 @@ def canonical_param_name(name: str) -> str:
     for part in _WRAPPER_NAME_PARTS:
         name = name.replace(part, "")
     return name.removeprefix("_orig_mod.")
-
-
-def _torchtitan_version() -> str:
-    try:
-        return metadata.version("torchtitan")
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
-def _skip_fsdp(cfg: TorchtitanEngineConfig, parallel_dims) -> bool:
-    """True where FSDP has nothing to shard and would reject the model: spmd_types with TP > 1
-    and no data-parallel degree. torchtitan's parallelize functions always call
-    ``apply_fsdp_to_decoder``; under spmd_types the TP-parallelized parameters are plain
-    tensors, and ``fully_shard(..., dp_mesh_dims=...)`` on torch < 2.14 rejects them ("all
-    parameters must be DTensors on the full SPMD mesh"). With dp degree 1 the FSDP
-    step would only install a MixedPrecisionPolicy, so the engine leaves it out."""
-    dp_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    return cfg.spmd_backend == "spmd_types" and cfg.tp > 1 and dp_degree == 1
-
-
-def _parallelize_without_fsdp(spec, model, parallel_dims, tc):
-    """The model's ``parallelize_fn`` minus its FSDP step (see ``_skip_fsdp``). qwen3's takes
-    ``skip_dp=True`` for exactly this; llama3's has no such switch, so its steps before FSDP are
-    called one by one, in its order: validate + TP (``model.parallelize``), AC, compile."""
-    import inspect
-
-    if "skip_dp" in inspect.signature(spec.parallelize_fn).parameters:
-        return spec.parallelize_fn(
-            model,
-            parallel_dims=parallel_dims,
-            training=tc.training,
-            parallelism=tc.parallelism,
-            compile_config=tc.compile,
-            ac_config=tc.activation_checkpoint,
-            dump_folder=tc.dump_folder,
-            skip_dp=True,
-        )
-    from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.full_dtensor import validate_config
-
-    validate_config(parallel_dims, model)
-    model.parallelize(parallel_dims)
-    if tc.activation_checkpoint is not None:
-        tc.activation_checkpoint.build(dump_folder=tc.dump_folder).apply(model)
-    if tc.compile.enable and "model" in tc.compile.components:
-        apply_compile(model, compile_config=tc.compile, parallel_dims=parallel_dims)
-    return model
 
 
 def _named_parameters(model) -> list[str]:
@@ -257,7 +165,7 @@ class TorchtitanEngine:
         self.parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
         # dp_shard=-1 resolves to the rest of the world only now: check FSDP support again.
         check_fsdp_supported(cfg.spmd_backend, self.parallel_dims.dp_shard)
-        with _mesh_device_type(self.device.type):
+        with mesh_device_type(self.device.type):
             self.parallel_dims.build_mesh()
 
         model_config = spec.model
@@ -268,7 +176,7 @@ class TorchtitanEngine:
         # full (unsharded) sizes, to tell TP shards from replicated parameters when no FSDP
         # DTensor carries the placement (see _tp_total_norm)
         self._full_numel = {n: p.numel() for n, p in model.named_parameters()}
-        self.fsdp_applied = not _skip_fsdp(cfg, self.parallel_dims)
+        self.fsdp_applied = not skip_fsdp(cfg, self.parallel_dims)
         if self.fsdp_applied:
             model = spec.parallelize_fn(
                 model,
@@ -280,7 +188,7 @@ class TorchtitanEngine:
                 dump_folder=tc.dump_folder,
             )
         else:
-            model = _parallelize_without_fsdp(spec, model, self.parallel_dims, tc)
+            model = parallelize_without_fsdp(spec, model, self.parallel_dims, tc)
         self.mesh_preserving_wrappers = 0
         if tc.activation_checkpoint is not None and mesh_preserving_recompute:
             self.mesh_preserving_wrappers = make_checkpoint_wrappers_mesh_preserving(model)
@@ -288,7 +196,7 @@ class TorchtitanEngine:
                 # AC is on but applied some other way (torchtitan #4497 moves it to torch_remat):
                 # refuse rather than train with a recompute that loses the mesh.
                 raise RuntimeError(
-                    f"torchtitan {_torchtitan_version()}: activation checkpointing installed no "
+                    f"torchtitan {torchtitan_version()}: activation checkpointing installed no "
                     "CheckpointWrapper, so no mesh-preserving context_fn could be added; under "
                     "torch_remat use fixes.torchtitan.mesh_preserving_remat_checkpoint"
                 )

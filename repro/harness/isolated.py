@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from repro.harness import forkserver as forkserver_module
+from repro.harness import forkserver_request
 from repro.harness.checkout import with_checkout
 from repro.harness.isolated_result import IsolatedResult
 
@@ -53,7 +54,7 @@ def run_isolated(
     child_env = with_checkout(child_env)
     if forkserver and forkserver_module.enabled():
         kind, target = ("code", code) if code is not None else ("module", module)
-        forked = forkserver_module.run(kind, target, args, child_env, cwd, timeout,
+        forked = forkserver_request.run(kind, target, args, child_env, cwd, timeout,
                                        profile=_profile(forkserver))
         if forked is not None:
             return forked
@@ -173,12 +174,12 @@ def _forked_ranks(
         return None
     ranks = []
     for env in envs:
-        rank = forkserver_module.start(kind, argv[2], argv[3:], env, cwd, own_group=False,
+        rank = forkserver_request.start(kind, argv[2], argv[3:], env, cwd, own_group=False,
                                        profile=profile)
         if rank is None:  # the server has gone: end the ranks it started, spawn them all
             for started in ranks:
                 started.kill()
-            forkserver_module.collect(ranks, None)
+            forkserver_request.collect(ranks, None)
             return None
         ranks.append(rank)
-    return forkserver_module.collect(ranks, timeout)
+    return forkserver_request.collect(ranks, timeout)

@@ -1,5 +1,7 @@
 """pytest plugin for the tox envs: ``-p repro.harness.skip_audit --skip-audit=ENV`` fails the
-run (exit status 1) when a test skipped for a reason ENV does not allow, and lists those skips.
+run (exit status 1) when a test skipped for a reason ENV does not allow, and lists those skips;
+a run it lets pass ends with one line, "skip audit (tox env ENV): N skips, every reason one this
+env allows".
 
 Why: a skip reads as "not applicable here", and ``tox -e cpu`` passes with any number of them.
 A package the env installs that stops importing, or a release the env puts in place that is
@@ -92,15 +94,21 @@ class _Audit:
         self.env = env
         self.allowed = re.compile("|".join(f"(?:{p})" for p in ALLOWED[env]))
         self.refused: list[tuple[str, str]] = []
+        self.skips = 0
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.skipped and not hasattr(report, "wasxfail"):
+            self.skips += 1
             reason = skip_reason(report)
             if not self.allowed.search(reason):
                 self.refused.append((report.nodeid, reason))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.refused:
+        if not self.refused:  # one line, so that a passing run shows it was audited
+            n = self.skips
+            terminalreporter.write_line(
+                f"skip audit (tox env {self.env}): {n} skip{'s' * (n != 1)}"
+                + (", every reason one this env allows" if n else ""))
             return
         n = len(self.refused)
         terminalreporter.section(f"skip audit (tox env {self.env})", red=True)
