@@ -318,6 +318,11 @@ def test_ci_workflow_runs_every_combination():
     workflow = (Path(__file__).parent.parent / "ci" / "compat.yml").read_text()
     missing = [c.name for c in COMBINATIONS if f"- {c.name}\n" not in workflow]
     assert not missing, f"ci/compat.yml does not run {missing}"
+    from repro.compat.upstream import PROJECTS
+
+    for project in PROJECTS:  # and each upstream main as a checkout cell
+        assert f"- {project}=https://github.com/" in workflow, project
+    assert '--checkout "${spec%%=*}=$RUNNER_TEMP/upstream"' in workflow
     assert "schedule:" in workflow and "workflow_dispatch:" in workflow
     # and whenever a repro, a fix or the matrix's own code changes on main
     push = workflow.split("push:", 1)[1].split("jobs:", 1)[0]
@@ -330,7 +335,11 @@ def test_committed_matrix_names_every_repro_of_the_registry():
     missing = sorted(set(discover()) - set(matrix.repros))
     assert not missing, (f"benchmarks/results/compat/matrix.json predates repros {missing}: "
                          "regenerate it with `tox -m compat`")
-    assert {c.name for c in matrix.combinations} == {c.name for c in COMBINATIONS}
+    from repro.compat.upstream import is_upstream_cell
+
+    names = {c.name for c in matrix.combinations}
+    assert {c.name for c in COMBINATIONS} <= names  # every released combination, plus
+    assert all(is_upstream_cell(n) for n in names - {c.name for c in COMBINATIONS})  # checkouts
     for combo in matrix.combinations:
         assert combo.failure is not None or combo.installed, f"{combo.name}: no versions recorded"
     assert (COMMITTED / "matrix.md").read_text() == render_markdown(matrix)
@@ -367,6 +376,9 @@ def test_a_checkout_replaces_the_released_package_in_its_cell(tmp_path):
     project, path = parse_checkout(f"torchtitan={tmp_path / 'tt'}")
     combo, got = upstream_combination(project, path)
     assert got == commit and combo.name == f"{COMBINATIONS[0].name}-torchtitan-{commit[:8]}"
+    from repro.compat.upstream import is_upstream_cell
+
+    assert is_upstream_cell(combo.name) and not is_upstream_cell(COMBINATIONS[0].name)
     assert f"torchtitan @ file://{tmp_path / 'tt'}" in combo.packages
     assert not any(p.startswith("torchtitan==") for p in combo.packages)
     assert combo.torch == COMBINATIONS[0].torch and combo.verl == COMBINATIONS[0].verl

@@ -28,6 +28,11 @@ PROJECTS = {"torchtitan": "torchtitan", "megatron-lm": "megatron-core"}
 _MIN_PYTHON = {"megatron-lm": "3.12"}
 
 
+def is_upstream_cell(name: str) -> bool:
+    """Whether a matrix column is a checkout cell (``<base>-<project>-<commit[:8]>``)."""
+    return re.search(rf"-(?:{'|'.join(PROJECTS)})-[0-9a-f]{{8}}$", name) is not None
+
+
 def checkout_commit(path: Path) -> str:
     """The checkout's HEAD commit (40 hex digits); ValueError when ``path`` is not a git
     checkout (a cell must name the commit it measured)."""
