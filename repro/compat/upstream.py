@@ -69,7 +69,7 @@ def upstream_combination(project: str, checkout: Path, base: Combination | None 
     base = base or _default_base(project)
     dist = PROJECTS[project]
     commit = checkout_commit(checkout)
-    kept = tuple(p for p in base.packages if re.split(r"[=<>!~ @\[;]", p, 1)[0].lower() != dist)
+    kept = tuple(p for p in base.packages if re.split(r"[=<>!~ @\[;]", p, maxsplit=1)[0].lower() != dist)
     combo = dataclasses.replace(base, name=f"{base.name}-{project}-{commit[:8]}",
                                 packages=(*kept, f"{dist} @ file://{checkout}"))
     return combo, commit
