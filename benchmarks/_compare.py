@@ -19,6 +19,12 @@ REFERENCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verl 0.8.0", ("unsafe", "verl-0.8.0")),
     ("verl 0.9.1", ("mtp-skip", "verl-0.9.1")),
 )
+# the rival fixes of the #3221 leak (repro.reclaims.RIVALS), in the families that measure them
+RIVALS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Megatron-LM #6339", ("megatron-6339",)),
+    ("miles #2862 gc.collect", ("gc-collect",)),
+)
+RIVAL_FAMILIES = ("megatron-scale",)
 SUBJECT = "ours"
 # The first reference is each family's "none": what its title says there.
 NONE_TITLES = {"activation-checkpoint": "no checkpointing", "sanitizers": "no sanitizer",
@@ -31,6 +37,10 @@ STRATEGY_NOTES = {
     "mtp-skip": "verl 0.9.1's released reclaim: verl 0.8.0's, skipped for checkpoints that close "
                 "over a MultiTokenPredictionLayer",
     "verl-0.9.1": "verl 0.9.1's released reclaim",
+    "megatron-6339": "Megatron-LM #6339 (open PR): .grad = None on the checkpoint's detached "
+                     "inputs after backward (the inputs stay where a graph keeps them)",
+    "gc-collect": "radixark/miles #2862: gc.collect() after each recomputed backward (frees what "
+                  "a reference cycle holds, not what a reachable graph keeps)",
     "ours": "fixes.megatron.apply_recompute_reclaim_patch: the read-through reclaim",
     "selective": "torchtitan's selective activation checkpointing",
     "full": "full activation checkpointing",

@@ -80,10 +80,11 @@ def summary_table(rows: list[headline.HeadlineRow]) -> str:
     out = [f'<table class="summary" id="headline"><tr>{head}</tr>']
     for row in rows:
         cells = [escape(c) for c in headline.cells_of(row)]
-        cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" title="{escape(row.cell.scenario)}">'
-                    f'{cells[0]}</a>')
+        if row.first:
+            cells[0] = (f'<a href="#{anchor(*row.anchor_key)}" '
+                        f'title="{escape(row.cell.scenario)}">{cells[0]}</a>')
         cells = [f'<span class="crashed">{c}</span>' if c.startswith("crashed") else c for c in cells]
-        if row.run_label and row.freshness is not None and row.freshness.stale:
+        if row.first and row.run_label and row.freshness is not None and row.freshness.stale:
             # the paths and the commit are the section's (and the tooltip's): the table stays narrow
             cells[-1] = (f'<span class="nowrap">{escape(row.run_label)}</span><br><span class="stale" title="'
                          f'{escape(row.freshness.note())}">{escape(str(row.freshness.age))}</span>')

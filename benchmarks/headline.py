@@ -6,8 +6,9 @@
 bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
 megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
 ``headline_rows`` reads each from the latest run of that scenario on that kind
-(``benchmarks._views``), with every strategy's figure, ours against no reclaim and each verl
-release, and (given a ``History``) whether the run is older than the code it measures
+(``benchmarks._views``), one row per strategy (no reclaim, each verl release, the rival fixes
+where the family measures them, ours) with its figures and ours against it, and (given a
+``History``) whether the run is older than the code it measures
 (``benchmarks._freshness``). The dashboard's summary table and the README's table
 (``update_readme``, between ``README_BEGIN`` and ``README_END``, and the compat matrix's line between
 its own markers, saying when the matrix is older than the code; nothing else of the file
@@ -24,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._compare import REFERENCES, SUBJECT, Versus, reference_rows, versus
+from benchmarks._compare import REFERENCES, RIVAL_FAMILIES, RIVALS, SUBJECT, Versus, versus
 from benchmarks._freshness import Freshness, History, freshness
 from benchmarks._published import RESULTS_DIR, published_runs
 from benchmarks._results import ResultsError, Row, Run
@@ -60,30 +61,40 @@ HEADLINES = (
     Headline("gpu-h200", "recompute-reclaim/chunked-mtp", ("peak_bytes", "end_of_backward_bytes"),
              "checkpointed stack, chunked MTP input"),
 )
-METRIC_NAMES = {"peak_bytes": "peak", "end_of_backward_bytes": "end of backward",
-                "retained_bytes": "kept between steps", "after_forward_bytes": "after forward"}
-
 
 @dataclass(frozen=True, slots=True)
 class HeadlineRow:
-    """One figure of one headline cell: each reference's row and ours, from one run."""
+    """One strategy of one headline cell, from one run: its figures and ours against them."""
 
     cell: Headline
-    metric: str
-    references: list[tuple[str, Row | None]]
-    subject: Row | None
+    title: str  # the strategy as the table names it ("no reclaim", "verl 0.8.0", ..., "ours")
+    row: Row | None  # None when the run has no row of that strategy
+    subject: Row | None  # ours, in the same run
     run_label: str  # "" when the cell has no committed run
     anchor_key: tuple[str, str]
     freshness: Freshness | None = None  # whether the run is older than the code it measures
+    first: bool = True  # the cell's first row: the one that names the cell and its run
 
-    def versus(self) -> list[tuple[str, Versus | None]]:
-        return [(title, versus(self.subject, ref, self.metric)) for title, ref in self.references]
+    @property
+    def is_subject(self) -> bool:
+        return self.title == SUBJECT
+
+    def versus(self, metric: str) -> Versus | None:
+        """Ours against this row on ``metric`` (None for ours' own row)."""
+        return None if self.is_subject else versus(self.subject, self.row, metric)
+
+
+def _strategies(cell: Headline) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The strategies a cell's rows show, in order: each reference, the rival fixes where the
+    family measures them, ours."""
+    rivals = RIVALS if cell.scenario.split("/")[0] in RIVAL_FAMILIES else ()
+    return (*REFERENCES, *rivals, (SUBJECT, (SUBJECT,)))
 
 
 def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
                   history: History | None = None) -> list[HeadlineRow]:
-    """The rows of ``cells`` from ``views``; with ``history``, each says whether its run is
-    older than the code it measures."""
+    """The rows of ``cells`` from ``views`` (one per cell and strategy); with ``history``, each
+    says whether its run is older than the code it measures."""
     by_key = {(v.kind, v.scenario): v for v in views}
     rows = []
     for cell in cells:
@@ -91,10 +102,11 @@ def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
         latest = view.latest.rows if view else {}
         age = (freshness(view.latest.run.commit, cell.scenario.split("/")[0], history)
                if view is not None and history is not None else None)
-        for metric in cell.metrics:
-            rows.append(HeadlineRow(cell, metric, reference_rows(latest), latest.get(SUBJECT),
+        for i, (title, names) in enumerate(_strategies(cell)):
+            row = next((latest[n] for n in names if n in latest), None)
+            rows.append(HeadlineRow(cell, title, row, latest.get(SUBJECT),
                                     view.latest.label if view else "", (cell.kind, cell.scenario),
-                                    age))
+                                    age, first=i == 0))
     return rows
 
 
@@ -120,19 +132,28 @@ def versus_text(v: Versus | None) -> str:
     return f"{v.ratio:.3f} ({diff})"
 
 
-SHORT = {"no reclaim": "none", "verl 0.8.0": "0.8.0", "verl 0.9.1": "0.9.1"}
-COLUMNS = ("what", "device", "figure", *(t for t, _ in REFERENCES), SUBJECT,
-           *(f"{SUBJECT} / {SHORT[t]} (diff)" for t, _ in REFERENCES), "run")
+# Every cell's figures are its peak and what the step leaves: live at the end of backward (the
+# checkpointed stack) or kept between steps beyond the model and its grads (the MoE GPT).
+FIGURE_COLUMNS = ("peak", "after backward")
+COLUMNS = ("what", "device", "strategy",
+           *(c for f in FIGURE_COLUMNS for c in (f, f"{SUBJECT} / it (diff)")), "run")
 
 
 def cells_of(row: HeadlineRow) -> list[str]:
-    """The row's cells in ``COLUMNS`` order, as text (figures in MiB)."""
-    return [row.cell.what, row.cell.kind, METRIC_NAMES.get(row.metric, row.metric),
-            *(figure_text(ref, row.metric) for _, ref in row.references),
-            figure_text(row.subject, row.metric),
-            *("-- (crashed)" if ref is not None and ref.crashed else versus_text(v)
-              for (_, v), (_, ref) in zip(row.versus(), row.references, strict=True)),
-            _run_cell(row)]
+    """The row's cells in ``COLUMNS`` order, as text (figures in MiB); the cell, its device and
+    its run are named on the cell's first row only."""
+    figures = []
+    for metric in row.cell.metrics:
+        figures.append(figure_text(row.row, metric))
+        if row.is_subject:
+            figures.append("")
+        elif row.row is not None and row.row.crashed:
+            figures.append("-- (crashed)")
+        else:
+            figures.append(versus_text(row.versus(metric)))
+    if not row.first:
+        return ["", "", row.title, *figures, ""]
+    return [row.cell.what, row.cell.kind, row.title, *figures, _run_cell(row)]
 
 
 def _run_cell(row: HeadlineRow) -> str:
@@ -155,8 +176,12 @@ def readme_block(rows: list[HeadlineRow]) -> str:
     """What goes between the README's markers: the table and how it was made."""
     return (markdown(rows) + "\n\nGenerated from the latest committed run of each scenario on "
             "each device kind (`python -m benchmarks.headline`; `python -m benchmarks.gate "
-            "RESULTS.json --refresh` runs it; the cells are `benchmarks/headline.py`'s). Figures in MiB; "
-            "`ours / X` is ours' figure divided by X's, the difference in MiB in brackets; `run` is "
+            "RESULTS.json --refresh` runs it; the cells are `benchmarks/headline.py`'s), one row "
+            "per strategy: no reclaim, verl's released reclaims, the rival fixes (Megatron-LM "
+            "#6339, radixark/miles #2862's `gc.collect()`; MoE GPT only), ours. Figures in MiB; "
+            "`after backward` is what the step leaves: live at the end of backward (checkpointed "
+            "stack), kept between steps beyond the model and its grads (MoE GPT); "
+            "`ours / it` is ours' figure divided by the row's, the difference in MiB in brackets; `run` is "
             "the commit and date (UTC) of the run that measured the row, and \"older than the "
             "code\" where a later commit changed the code it measures (the dashboard's section "
             "names the paths and the commit; `benchmarks/_freshness.py`). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "

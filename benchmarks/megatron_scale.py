@@ -18,7 +18,10 @@ layers, full uniform recompute of 1 layer, batch 1; fp32, or bf16 through megatr
   of the decoder output).
 
 Strategies: ``none``, ``verl-0.8.0`` and ``verl-0.9.1`` (verl's released reclaims, installed by
-``repro.shared_view_reclaim.install_reclaim``), ``ours`` (``fixes.megatron``). Each
+``repro.shared_view_reclaim.install_reclaim``), the rival fixes of the leak ``megatron-6339``
+(Megatron-LM #6339: clear the detached inputs' ``.grad``) and ``gc-collect`` (radixark/miles
+#2862: ``gc.collect()`` after each recomputed backward), both in ``repro.reclaims``, and
+``ours`` (``fixes.megatron``). Each
 (strategy, model) runs in its own child interpreter (one verl per process), every size and
 dtype in it: build, warm-up step, then ``gc`` off, the bytes of one measured step, then the
 median of ``--steps`` timed steps.
@@ -65,7 +68,8 @@ from benchmarks._spread import interleaved
 MODELS = ("moe", "moe-kept-probs", "gpt-mtp")
 MOE_MODELS = tuple(m for m in MODELS if m.startswith("moe"))
 EXPERTS = 8  # per MoE layer; --ep splits them over ranks
-STRATEGIES = ("none", "verl-0.8.0", "verl-0.9.1", "ours")
+# verl's released reclaims, the rival fixes (``repro.reclaims.RIVALS``), ours
+STRATEGIES = ("none", "verl-0.8.0", "verl-0.9.1", "megatron-6339", "gc-collect", "ours")
 DTYPES = ("fp32", "bf16")
 DISPATCHERS = ("allgather", "alltoall")
 SIZES = ((1024, 2048), (2048, 4096))  # (hidden, sequence)

@@ -1,6 +1,7 @@
 """Recompute reclaim on real megatron-core GPT models (``benchmarks.megatron_scale``): peak and
-retained bytes, and the step-time ratio to no reclaim, of none / verl 0.8.0 / verl 0.9.1 / ours,
-per model, size and dtype -- plus the relations the reclaim must keep at scale.
+retained bytes, and the step-time ratio to no reclaim, of none / verl 0.8.0 / verl 0.9.1 / the
+rival fixes (Megatron-LM #6339, radixark/miles #2862's ``gc.collect()``) / ours, per model, size
+and dtype -- plus the relations the reclaim must keep at scale.
 
 GPU: the MoE GPT (the #3221 leak: the allgather dispatcher keeps each layer's last routing state,
 and with it the recompute graph, until the next step's forward), the same with #5227's kept
@@ -17,6 +18,7 @@ import pytest
 from benchmarks import megatron_scale as ms
 from benchmarks._bench import record
 from benchmarks._spread import MIN_REPEATS
+from repro import reclaims
 
 SCENARIO = "megatron-scale/{model}/{hidden}x{seq}/{dtype}"
 # ``ep_steps``: timed steps of the expert-parallel cells. Each of their steps waits on the other
@@ -31,6 +33,7 @@ PLAN = {
 }
 MARKS = {"cpu": pytest.mark.cpu, "cuda": pytest.mark.gpu}
 LEAKY = (*ms.MOE_MODELS, "moe-ep2")
+RIVALS = tuple(reclaims.RIVALS)  # the rival fixes of the leak
 EP_SUFFIX = "-ep"
 
 
@@ -150,16 +153,31 @@ def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq,
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
-                         [p for p in _params(strategies=("ours",))
+                         _params(strategies=RIVALS, models=LEAKY))
+def test_ours_keeps_no_more_than_each_rival(figure_book, device, model, hidden, seq, dtype,
+                                            strategy):
+    """With the leak, ours keeps no more between steps, and peaks no higher, than each rival
+    fix (Megatron-LM #6339 frees the kept inputs' grads but not the inputs; a ``gc.collect()``
+    frees only what a reference cycle holds, and the leaked graph is reachable)."""
+    rival = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    ours = _cell(figure_book, device, model, hidden, seq, dtype, "ours")
+    for figure in ("retained_bytes", "peak_bytes"):
+        slack = 0 if device == "cpu" else max(rival[figure] * CUDA_ROUNDING, CUDA_BLOCK_SLACK)
+        assert ours[figure] <= rival[figure] + slack, (figure, ours[figure], rival[figure])
+
+
+@pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
+                         [p for p in _params(strategies=(*RIVALS, "ours"))
                           if p.values[0] == "cpu" or p.values[4] == "fp32"])
 def test_ours_gradients_are_megatrons_bitwise(figure_book, device, model, hidden, seq, dtype,
                                               strategy):
-    """The reclaim changes no value: after the measured step every parameter's gradient is
-    bitwise the one megatron's own backward gives (digests of the raw bytes). On CUDA in fp32
-    only: bf16 MoE steps accumulate with atomics, which differ run to run with any code."""
+    """The reclaim (and each rival fix) changes no value: after the measured step every
+    parameter's gradient is bitwise the one megatron's own backward gives (digests of the raw
+    bytes). On CUDA in fp32 only: bf16 MoE steps accumulate with atomics, which differ run to
+    run with any code."""
     none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
-    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
-    assert ours["grads_sha256"] and ours["grads_sha256"] == none["grads_sha256"]
+    got = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    assert got["grads_sha256"] and got["grads_sha256"] == none["grads_sha256"]
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),

@@ -93,8 +93,8 @@ def test_a_crashed_strategy_shows_as_crashed_with_its_error():
     cpu = section(dashboard.render([OLD, NEW]), "cpu", SCN)
     assert '<span class="crashed">crashed (SIGSEGV)</span>' in cpu
     rows = headline.headline_rows(_views.scenario_views([NEW]))
-    assert headline.cells_of(rows[0])[4] == "crashed (SIGSEGV)"
-    assert headline.cells_of(rows[0])[8] == "-- (crashed)"  # ours / verl 0.8.0
+    verl = next(r for r in rows if r.title == "verl 0.8.0")
+    assert headline.cells_of(verl)[2:5] == ["verl 0.8.0", "crashed (SIGSEGV)", "-- (crashed)"]
 
 
 def test_the_section_summary_gives_ours_against_no_reclaim_and_the_previous_run():
@@ -155,11 +155,34 @@ def test_page_is_self_contained():
 
 def test_headline_table_reads_the_committed_runs_and_says_not_run_without_one():
     rows = headline.headline_rows(_views.scenario_views([GPU]))
-    cells = {(r.cell.kind, r.cell.scenario, r.metric): headline.cells_of(r) for r in rows}
-    gpu = cells[("gpu-h200", "megatron-scale/moe/2048x4096/fp32", "peak_bytes")]
-    assert gpu[3:10] == ["8000.0", "7840.0", "not run", "7840.0", "0.980 (-160.00)", "1.000 (±0)", "--"]
-    assert gpu[10] == "33333333 11-03 00:00"
-    assert cells[("cpu", SCN, "peak_bytes")][-1] == "not run"
+    cells = {(r.cell.kind, r.cell.scenario, r.title): headline.cells_of(r) for r in rows}
+    gpu = {title: c for (kind, scn, title), c in cells.items()
+           if (kind, scn) == ("gpu-h200", "megatron-scale/moe/2048x4096/fp32")}
+    # one row per strategy, the rival fixes among them; ours against each, peak first
+    assert list(gpu) == ["no reclaim", "verl 0.8.0", "verl 0.9.1", "Megatron-LM #6339",
+                         "miles #2862 gc.collect", "ours"]
+    assert gpu["no reclaim"][3:5] == ["8000.0", "0.980 (-160.00)"]
+    assert gpu["verl 0.8.0"][3:5] == ["7840.0", "1.000 (±0)"]
+    assert gpu["verl 0.9.1"][3:5] == gpu["Megatron-LM #6339"][3:5] == ["not run", "--"]
+    assert gpu["ours"][2:5] == ["ours", "7840.0", ""]
+    assert gpu["no reclaim"][:2] == ["MoE GPT, H=2048 S=4096 fp32", "gpu-h200"]
+    assert gpu["no reclaim"][-1] == "33333333 11-03 00:00"
+    assert gpu["ours"][:2] == ["", ""] and gpu["ours"][-1] == ""  # named on the first row only
+    assert cells[("cpu", SCN, "no reclaim")][-1] == "not run"
+    assert ("cpu", SCN, "Megatron-LM #6339") not in cells  # rivals: megatron-scale cells only
+
+
+def test_a_rival_fix_shows_as_its_own_row_against_ours():
+    scn = "megatron-scale/moe/2048x4096/fp32"
+    rivals = run("4444444444", "2026-11-04T00:00:00", *(
+        bench(scn, s, kind="gpu-h200", peak_bytes=p * MiB, retained_bytes=k * MiB)
+        for s, p, k in (("none", 8000, 1000), ("megatron-6339", 7950, 900),
+                        ("gc-collect", 8000, 1000), ("ours", 7840, 800))))
+    rows = {r.title: headline.cells_of(r) for r in headline.headline_rows(
+        _views.scenario_views([rivals])) if r.cell.scenario == scn}
+    assert rows["Megatron-LM #6339"][3:7] == ["7950.0", "0.986 (-110.00)", "900.00",
+                                              "0.889 (-100.00)"]
+    assert rows["miles #2862 gc.collect"][5:7] == ["1000.0", "0.800 (-200.00)"]
 
 
 def test_cli_writes_the_page_and_only_the_readme_block(tmp_path, capsys):

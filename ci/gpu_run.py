@@ -64,11 +64,13 @@ def _steps(out: str) -> dict[str, list[Step]]:
         "reclaim": [Step("pytest-gpu-reclaim", [*PYTEST, *RECLAIM_TESTS, "-m", "gpu", "-n", "4",
                                                 "-q"], 420)],
         # peak / kept between steps / gradient digests on the real megatron models, every
-        # one-GPU cell, one measured step each (no step times: see steptime); one step per
-        # model, so that --parallel runs them side by side
+        # one-GPU cell, one measured step each (no step times: see steptime), ours beside no
+        # reclaim, verl 0.8.0 and the rival fixes (Megatron-LM #6339, miles #2862's gc.collect);
+        # one step per model, so that --parallel runs them side by side
         "megatron-scale": [Step(f"megatron-scale-{model}", [
             PY, "-m", "benchmarks.megatron_scale", "--device", "cuda", "--models", model,
-            "--strategies", "none,verl-0.8.0,ours", "--sizes", "1024x2048,2048x4096",
+            "--strategies", "none,verl-0.8.0,megatron-6339,gc-collect,ours",
+            "--sizes", "1024x2048,2048x4096",
             "--dtypes", "fp32,bf16", "--steps", "3", "--out", o(f"megatron-scale-{model}.json")],
             540, json=f"megatron-scale-{model}.json")
             for model in ("moe", "moe-kept-probs", "gpt-mtp")],
@@ -122,6 +124,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
                 "--ep", "2", "--strategies", "none,verl-0.8.0,ours", "--sizes",
                 "1024x2048,2048x4096", "--dtypes", "fp32,bf16", "--steps", "20", "--out",
                 o("megatron-scale-ep2.json")], 420, json="megatron-scale-ep2.json")],
+        # the one-GPU megatron-scale bench cells (every strategy, the rivals included: the
+        # README's headline rows), one step per model so each fits one call; file each JSON
+        # with benchmarks.record
+        "bench-megatron-scale": [Step(f"bench-megatron-scale-{model}", [
+            *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", select,
+            "-p", "no:xdist", f"--benchmark-json={o(f'bench-megatron-scale-{model}.json')}"], 560,
+            json=f"bench-megatron-scale-{model}.json")
+            for model, select in (("moe", "moe- and not kept and not ep2"),
+                                  ("moe-kept-probs", "moe-kept-probs"), ("gpt-mtp", "gpt-mtp"))],
         "bench": [Step("bench-gpu", [*PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist",
                                      f"--benchmark-json={o('bench-gpu.json')}"], 540,
                        json="bench-gpu.json")],

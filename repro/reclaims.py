@@ -6,23 +6,77 @@ checkpoint Function with ``install_reclaim``:
   requires-grad recompute input and its grad (verl's own patch can only target megatron-core);
 * ``verl-0.8.0``, ``verl-0.9.1``: verl's released ``apply_patch_megatron_recomputation_backward``
   (``repro.verl_release``), on megatron-core's ``CheckpointFunction`` only;
+* ``megatron-6339``: Megatron-LM #6339 (open): after the backward, ``.grad = None`` on each of the
+  checkpoint's detached inputs (the returned grads are kept), so an input the recompute graph
+  keeps alive no longer keeps its grad;
+* ``gc-collect``: radixark/miles #2862: ``gc.collect()`` when each recomputed backward returns,
+  so a reference cycle holding the recompute graph goes at once, not at CPython's next collection;
 * ``ours``: ``fixes.megatron.apply_recompute_reclaim_patch``.
 
-Unfixed baselines are harness code: none of these but ``ours`` ships in ``fixes``.
+Unfixed baselines and rival fixes are harness code: none of these but ``ours`` ships in ``fixes``.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import warnings
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["VARIANTS", "VERL_RECLAIMS", "install_reclaim", "install_verl_reclaim"]
+__all__ = ["RIVALS", "VARIANTS", "VERL_RECLAIMS", "install_reclaim", "install_verl_reclaim"]
 
 VERL_RECLAIMS = {"verl-0.8.0": "0.8.0", "verl-0.9.1": "0.9.1"}
-VARIANTS = ("none", "resize-all", *VERL_RECLAIMS, "ours")
+# rival fixes of the #3221 leak, by name -> where they come from
+RIVALS = {"megatron-6339": "Megatron-LM #6339", "gc-collect": "radixark/miles #2862"}
+VARIANTS = ("none", "resize-all", *VERL_RECLAIMS, *RIVALS, "ours")
+
+
+def _observing_inputs(backward: Callable, ctx, grad_outputs) -> tuple[tuple, list]:
+    """``backward(ctx, *grad_outputs)`` and the arguments its recompute called
+    ``ctx.run_function`` with (megatron's: the detached inputs), seen through a pass-through
+    ``run_function`` for the call."""
+    calls, run_function = [], ctx.run_function
+
+    def observed(*args, **kwargs):
+        calls.append(args)
+        return run_function(*args, **kwargs)
+
+    ctx.run_function = observed
+    try:
+        result = backward(ctx, *grad_outputs)
+    finally:
+        ctx.run_function = run_function
+    return result, list(calls[0]) if len(calls) == 1 else []
+
+
+def _clear_detached_grads(backward: Callable) -> Callable:
+    """Megatron-LM #6339's change, as a wrapper: the grads are collected (the result holds
+    them), then each detached input's ``.grad`` is set to None."""
+
+    @functools.wraps(backward)
+    def clear_grad_backward(ctx, *grad_outputs):
+        result, inputs = _observing_inputs(backward, ctx, grad_outputs)
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+        return result
+
+    return clear_grad_backward
+
+
+def _collect_after(backward: Callable) -> Callable:
+    """radixark/miles #2862's change: a full ``gc.collect()`` after each recomputed backward
+    (it runs even with the collector disabled)."""
+
+    @functools.wraps(backward)
+    def collecting_backward(ctx, *grad_outputs):
+        result = backward(ctx, *grad_outputs)
+        gc.collect()
+        return result
+
+    return collecting_backward
 
 
 def _resize_all(backward: Callable) -> Callable:
@@ -34,19 +88,9 @@ def _resize_all(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def resize_all_backward(ctx, *grad_outputs):
-        calls, run_function = [], ctx.run_function
-
-        def observed(*args, **kwargs):
-            calls.append(args)
-            return run_function(*args, **kwargs)
-
-        ctx.run_function = observed
-        try:
-            result = backward(ctx, *grad_outputs)
-        finally:
-            ctx.run_function = run_function
+        result, inputs = _observing_inputs(backward, ctx, grad_outputs)
         result = tuple(g.clone() if isinstance(g, torch.Tensor) else g for g in result)
-        for t in calls[0] if len(calls) == 1 else ():
+        for t in inputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 emit(ReclaimAction.RESIZED, "input", storage_key(t),
                      t.untyped_storage().nbytes())
@@ -93,6 +137,10 @@ def install_reclaim(variant: str, target: type | None = None, over: str | None =
             install_verl_reclaim(VERL_RECLAIMS[name])
         elif name == "resize-all":
             install_backward_wrapper("resize-all", _resize_all, target)
+        elif name == "megatron-6339":
+            install_backward_wrapper(name, _clear_detached_grads, target)
+        elif name == "gc-collect":
+            install_backward_wrapper(name, _collect_after, target)
         elif name == "ours":
             with warnings.catch_warnings():
                 if over is not None:  # "replaced verl's backward": what this order is about

@@ -318,6 +318,11 @@ def test_ci_workflow_runs_every_combination():
     workflow = (Path(__file__).parent.parent / "ci" / "compat.yml").read_text()
     missing = [c.name for c in COMBINATIONS if f"- {c.name}\n" not in workflow]
     assert not missing, f"ci/compat.yml does not run {missing}"
+    from repro.compat.upstream import PROJECTS
+
+    for project in PROJECTS:  # and each upstream main as a checkout cell
+        assert f"- {project}=https://github.com/" in workflow, project
+    assert '--checkout "${spec%%=*}=$RUNNER_TEMP/upstream"' in workflow
     assert "schedule:" in workflow and "workflow_dispatch:" in workflow
     # and whenever a repro, a fix or the matrix's own code changes on main
     push = workflow.split("push:", 1)[1].split("jobs:", 1)[0]
@@ -330,7 +335,11 @@ def test_committed_matrix_names_every_repro_of_the_registry():
     missing = sorted(set(discover()) - set(matrix.repros))
     assert not missing, (f"benchmarks/results/compat/matrix.json predates repros {missing}: "
                          "regenerate it with `tox -m compat`")
-    assert {c.name for c in matrix.combinations} == {c.name for c in COMBINATIONS}
+    from repro.compat.upstream import is_upstream_cell
+
+    names = {c.name for c in matrix.combinations}
+    assert {c.name for c in COMBINATIONS} <= names  # every released combination, plus
+    assert all(is_upstream_cell(n) for n in names - {c.name for c in COMBINATIONS})  # checkouts
     for combo in matrix.combinations:
         assert combo.failure is not None or combo.installed, f"{combo.name}: no versions recorded"
     assert (COMMITTED / "matrix.md").read_text() == render_markdown(matrix)
@@ -346,3 +355,60 @@ def test_the_readme_says_which_commit_the_committed_matrix_describes():
     assert block.startswith(readme_summary(matrix)), \
         "regenerate with `tox -m compat` (it rewrites both)"
     assert f"commit `{matrix.commit}`" in block
+
+
+# --- upstream checkouts as cells (repro.compat.upstream) ------------------------------------------
+
+
+def _git_checkout(path: Path, name: str) -> str:
+    path.mkdir()
+    (path / "pyproject.toml").write_text(f'[project]\nname = "{name}"\nversion = "0.0.1"\n')
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_checkout_replaces_the_released_package_in_its_cell(tmp_path):
+    from repro.compat.upstream import parse_checkout, upstream_combination
+
+    commit = _git_checkout(tmp_path / "tt", "torchtitan")
+    project, path = parse_checkout(f"torchtitan={tmp_path / 'tt'}")
+    combo, got = upstream_combination(project, path)
+    assert got == commit and combo.name == f"{COMBINATIONS[0].name}-torchtitan-{commit[:8]}"
+    from repro.compat.upstream import is_upstream_cell
+
+    assert is_upstream_cell(combo.name) and not is_upstream_cell(COMBINATIONS[0].name)
+    assert f"torchtitan @ file://{tmp_path / 'tt'}" in combo.packages
+    assert not any(p.startswith("torchtitan==") for p in combo.packages)
+    assert combo.torch == COMBINATIONS[0].torch and combo.verl == COMBINATIONS[0].verl
+
+
+def test_a_megatron_lm_checkout_replaces_megatron_core_on_python_3_12(tmp_path):
+    from repro.compat.upstream import upstream_combination
+
+    _git_checkout(tmp_path / "mlm", "megatron-core")
+    combo, _ = upstream_combination("megatron-lm", tmp_path / "mlm")
+    assert combo.python == "3.12"  # Megatron-LM main requires Python >= 3.12
+    assert [p for p in combo.packages if "megatron" in p] == [
+        f"megatron-core @ file://{tmp_path / 'mlm'}"]
+
+
+@pytest.mark.parametrize("spec,match", [("verl=.", "verl checkouts are not cells"),
+                                        ("torchtitan", "NAME=PATH"),
+                                        ("torchtitan=/nonexistent", "no pyproject.toml")])
+def test_a_bad_checkout_is_refused_naming_what_is_allowed(spec, match):
+    from repro.compat.upstream import parse_checkout
+
+    with pytest.raises(ValueError, match=match):
+        parse_checkout(spec)
+
+
+def test_a_tree_without_git_is_refused_a_cell_must_name_its_commit(tmp_path):
+    from repro.compat.upstream import upstream_combination
+
+    (tmp_path / "pyproject.toml").write_text("")
+    with pytest.raises(ValueError, match="not a git checkout"):
+        upstream_combination("torchtitan", tmp_path)

