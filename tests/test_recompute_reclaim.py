@@ -423,7 +423,8 @@ def _input_stays(graph) -> bool:
     if _caches(graph) or graph["nograd_view"] or graph["deepcopy"] == "input":
         return True
     held_then = graph["side"] or graph["boxed"] or graph["weak_pack"] or graph["cycle"]
-    return graph["leak"] and held_then
+    leaked = graph["leak"] or graph["deepcopy"] == "output"  # the module keeps the output
+    return leaked and held_then
 
 
 @settings(settings.get_profile("stackfix-reclaim"))
