@@ -30,7 +30,7 @@ STRATEGY_NOTES = {
     "mtp-skip": "verl 0.9.1's released reclaim: verl 0.8.0's, skipped for checkpoints that close "
                 "over a MultiTokenPredictionLayer",
     "verl-0.9.1": "verl 0.9.1's released reclaim",
-    "ours": "fixes.megatron.apply_recompute_reclaim_patch: the read-through reclaim",
+    "ours": "fixes.megatron.apply_recompute_reclaim_patch: the release-unheld reclaim",
     "selective": "torchtitan's selective activation checkpointing",
     "full": "full activation checkpointing",
     "+mesh_ctx": "suffix: with fixes.torchtitan.mesh_preserving_context_fn",

@@ -86,7 +86,7 @@ __all__ = [
     "reset_backward",
 ]
 
-PATCH_KIND = "read-through"
+PATCH_KIND = "release-unheld"
 WAY_OUT = "fixes.megatron.remove_recompute_reclaim_patch()"
 
 
