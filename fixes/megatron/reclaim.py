@@ -131,15 +131,30 @@ class _ReleasedCopy(torch.Tensor):
 
 
 _SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _nothing_like(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s shape, dtype and device on one shared element: no memory of the input."""
+    """``t``'s shape, dtype and device on one shared element: no memory of the input. (Shape
+    and dtype are kept: a later backward through the leaked graph still accumulates into the
+    copy, and AccumulateGrad reads its sizes and strides.)"""
     key = (t.dtype, t.device)
     scalar = _SCALARS.get(key)
     if scalar is None:
         scalar = _SCALARS.setdefault(key, torch.zeros((), dtype=t.dtype, device=t.device))
     return scalar.expand(t.shape)
+
+
+def _prepare_scalars() -> None:
+    """The elements released copies point at, made at install time for the float dtypes on the
+    CPU and, if CUDA is already initialized (never initialized here), its current device: the
+    reclaim then allocates nothing during training (one element per other dtype or device)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    for device in devices:
+        for dtype in _FLOATS:
+            _SCALARS.setdefault((dtype, device), torch.zeros((), dtype=dtype, device=device))
 
 
 # --- who holds a copy ------------------------------------------------------------------------
@@ -258,6 +273,7 @@ def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
     a reentrant checkpoint Function of the same shape), around the module's own backward; a
     foreign backward (verl's reclaim) is replaced, with a warning. Returns False when it was
     already installed."""
+    _prepare_scalars()
     return install_backward_wrapper(PATCH_KIND, _reclaiming, target)
 
 
