@@ -59,6 +59,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fixes.megatron.backward_patch import (
     install_backward_wrapper,
@@ -204,7 +205,10 @@ def _let_go(args: tuple, i: int) -> ReclaimAction:
     if not own_node:
         return ReclaimAction.HELD
     t.grad = None
-    t.data = _nothing_like(t)
+    # The reclaim's own bookkeeping, not the model's: no tensor dispatch mode a tool runs
+    # (a memory tracker, say) sees it.
+    with _disable_current_modes():
+        t.data = _nothing_like(t)
     t.__class__ = _ReleasedCopy
     return ReclaimAction.RELEASED
 
