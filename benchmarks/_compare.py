@@ -41,7 +41,7 @@ STRATEGY_NOTES = {
                      "inputs after backward (the inputs stay where a graph keeps them)",
     "gc-collect": "radixark/miles #2862: gc.collect() after each recomputed backward (frees what "
                   "a reference cycle holds, not what a reachable graph keeps)",
-    "ours": "fixes.megatron.apply_recompute_reclaim_patch: the read-through reclaim",
+    "ours": "fixes.megatron.apply_recompute_reclaim_patch: the release-unheld reclaim",
     "selective": "torchtitan's selective activation checkpointing",
     "full": "full activation checkpointing",
     "+mesh_ctx": "suffix: with fixes.torchtitan.mesh_preserving_context_fn",

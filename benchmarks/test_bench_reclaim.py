@@ -93,8 +93,8 @@ def test_ours_matches_unsafe_after_backward_without_aliasing(figure_book, device
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_ours_matches_unsafe_peak_without_aliasing(figure_book, device):
-    """And no higher a peak: the gradient the identity node receives is handed back as it is,
-    never kept on a tensor the leak holds (verl clones the grad and frees the leaked one).
+    """And no higher a peak: the gradient megatron's backward returns is not kept on a tensor
+    the leak holds once the backward has returned (verl clones the grad and frees the leaked one).
     ``<=`` because verl's clone is an extra allocation the allocator may count at the peak."""
     unsafe = book_figures(figure_book, "plain", "unsafe", device)
     ours = book_figures(figure_book, "plain", "ours", device)

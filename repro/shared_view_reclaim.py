@@ -13,9 +13,9 @@ The graph, as small as it gets, with the shape of verl's mHC + MTP crash:
 
 Unfixed: a reclaim that calls ``resize_(0)`` on every requires-grad checkpoint input frees ``h``'s
 storage in step 4; ``MulBackward`` then reads a null pointer: SIGSEGV on CPU, "an illegal memory
-access" on CUDA. Fixed: the reclaim (``fixes.megatron.apply_recompute_reclaim_patch``) makes the
-recompute read its input through an identity node, so the leaked recompute graph holds none of
-it, and resizes nothing: ``h``'s storage goes when ``MulBackward`` has read it; the oracle
+access" on CUDA. Fixed: the reclaim (``fixes.megatron.apply_recompute_reclaim_patch``) lets the
+recompute's detached copy, which only the leaked recompute graph holds, go of the input's memory
+after the backward, and resizes nothing: ``h``'s storage goes when ``MulBackward`` has read it; the oracle
 (WrongResult otherwise) checks every gradient against a run with no reclaim, that the
 recompute released its input, and that ``h``'s memory is gone after the step.
 The ``-verl`` repros install the fix the way it meets verl in a verl process: verl's released
@@ -192,9 +192,8 @@ def _run(
     install_reclaim("none", target)
     check_grads_equal(parameter_grads(model), reference)
     if variant == "ours":
-        # The leaked recompute graph holds nothing of the chunk view (its identity node's
-        # stand-in only), so the shared storage went when its last reader (the contraction)
-        # had run.
+        # The leaked recompute graph holds nothing of the chunk view (its detached copy was
+        # released), so the shared storage went when its last reader (the contraction) had run.
         print("reclaim events:", " ".join(f"{e.role}:{e.action}" for e in events), flush=True)
         inputs = [e.action for e in events if e.role == "input"]
         if inputs != ["released"]:

@@ -92,7 +92,7 @@ def grads(gpt, reclaim: str, device: str = "cpu", events: list | None = None
 
 
 def parity(model: str, dtype: str, reclaim: str = "ours", device: str = "cpu") -> str:
-    """``bitwise (N grads, M inputs read through)`` (M counts stackfix's events; 0 for another
+    """``bitwise (N grads, M inputs examined)`` (M counts stackfix's events; 0 for another
     reclaim), or which gradients differ."""
     from repro.harness.megatron_world import setup_megatron
 
@@ -115,4 +115,4 @@ def parity(model: str, dtype: str, reclaim: str = "ours", device: str = "cpu") -
         return f"DIFFERENT parameters with grads: {sorted(reference.keys() ^ got.keys())}"
     differ = [n for n in reference if not torch.equal(reference[n], got[n])]
     read = sum(e.role == "input" for e in events)
-    return f"DIFFER: {differ}" if differ else f"bitwise ({len(reference)} grads, {read} inputs read through)"
+    return f"DIFFER: {differ}" if differ else f"bitwise ({len(reference)} grads, {read} inputs examined)"

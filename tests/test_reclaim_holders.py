@@ -1,11 +1,11 @@
 """Who holds a checkpoint input after the recompute (fixes.megatron.reclaim).
 
-The recompute reads each requires-grad input through an identity node, so the recompute graph
-itself holds none of it (the Megatron-LM #3221 / #5227 leak holds the node's 0-dim stand-in).
-Whatever else holds the recompute's view of the input -- a module caching it, a tool keeping
-the recompute's frames, a side result built during the recompute and backwarded later, a
-reference cycle -- keeps it by reference counting, readable and unchanged (event ``held``);
-otherwise it is gone with the checkpoint's backward (``released``). No storage is ever resized,
+The recompute gets megatron's own detached copy of each input. Whatever holds that copy after
+the backward besides its own AccumulateGrad node -- a module caching it, a tool keeping the
+recompute's frames, a side result built during the recompute and backwarded later, a reference
+cycle -- keeps it, readable and unchanged (event ``held``); otherwise it holds none of the
+input's memory once the checkpoint's backward has returned (``released``: a leaked recompute
+graph, Megatron-LM #3221 / #5227, keeps an empty copy). No storage is ever resized,
 so no case here can read freed memory; the ones that did under earlier designs (SIGSEGV) still
 run in a child interpreter, so a regression ends a child, not the test worker.
 """
@@ -152,23 +152,32 @@ def test_without_a_leak_nothing_is_resized_and_the_input_goes_at_once(patched, m
 
 
 def test_the_recompute_graph_leak_holds_none_of_the_input(patched, monkeypatch):
-    # Megatron-LM #5227 shape: the module keeps a recompute intermediate. Its graph ends at the
-    # identity node's stand-in, not at the input: the input's memory and its grad go with the
-    # checkpoint's backward; no storage is resized.
+    # Megatron-LM #5227 shape: the module keeps a recompute intermediate, whose graph ends at the
+    # copy's AccumulateGrad node. Nothing else holds the copy, so after the backward it lets go
+    # of the input's memory and of its grad; no storage is resized.
     def must_not_resize(*args, **kwargs):
         raise AssertionError("the reclaim must never resize a storage")
 
     monkeypatch.setattr(torch.UntypedStorage, "resize_", must_not_resize)
+    grads = []  # weak references to the storage of the gradient the copy's node accumulates
+
+    def watch(t, out):
+        leak.keep(out)
+        if torch.is_grad_enabled():  # a tensor hook: it gets the gradient, not the copy
+            t.register_hook(lambda g: grads.append(g.untyped_storage()._weak_ref()))
+
     remove_recompute_reclaim_patch(TARGET)
-    h_ref, _, _ = _step(_Layer(lambda t, out: ModuleStateLeak().keep(out)))
-    apply_recompute_reclaim_patch(TARGET)
     leak = ModuleStateLeak()
-    views = []
+    h_ref, _, weak = _step(_Layer(watch))
+    assert not torch.UntypedStorage._expired(weak) and not torch.UntypedStorage._expired(grads[0])
+    leak.clear()  # megatron's own backward: the leak holds both until the next step
+    grads.clear()
+    apply_recompute_reclaim_patch(TARGET)
     with recompute_reclaim_events() as events:
-        h, _, weak = _step(_Layer(lambda t, out: (leak.keep(out), views.append(weakref.ref(t)))))
+        h, _, weak = _step(_Layer(watch))
     assert [(e.role, e.action) for e in events] == [("input", "released")]
-    assert torch.UntypedStorage._expired(weak) and len(leak.kept) == 1
-    assert views[-1]() is None  # nothing holds the recompute's view of the input
+    assert len(leak.kept) == 1
+    assert torch.UntypedStorage._expired(weak) and torch.UntypedStorage._expired(grads[0])
     assert torch.equal(h.grad, h_ref.grad)
     leak.clear()
 
@@ -282,12 +291,12 @@ def test_the_reclaim_runs_no_garbage_collection(patched):
 
 
 class _RecomputesTwice(torch.autograd.Function):
-    """A reentrant checkpoint whose backward runs the recompute twice: which call's inputs are
-    the copies is not known, so the reclaim must say it did nothing."""
+    """A reentrant checkpoint whose backward runs the recompute twice and returns the second
+    call's gradient: the reclaim relies on no shape of the backward, it examines every copy."""
 
     @staticmethod
-    def forward(ctx, run_function, preserve_rng_state, x):
-        ctx.run_function = run_function
+    def forward(ctx, run_function, recompute, x):
+        ctx.run_function, ctx.recompute = run_function, recompute
         ctx.save_for_backward(x)
         with torch.no_grad():
             return run_function(x)
@@ -295,6 +304,8 @@ class _RecomputesTwice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
+        if not ctx.recompute:  # a backward that never recomputes
+            return None, None, grad * 2.0
         for _ in range(2):
             copy = x.detach().requires_grad_()
             with torch.enable_grad():
@@ -303,16 +314,21 @@ class _RecomputesTwice(torch.autograd.Function):
         return None, None, copy.grad
 
 
-def test_a_backward_that_does_not_recompute_once_is_reported_not_silent():
+@pytest.mark.parametrize("recomputes", [True, False], ids=["twice", "never"])
+def test_a_backward_of_another_shape_returns_its_own_result(recomputes):
+    leak = ModuleStateLeak()
     apply_recompute_reclaim_patch(_RecomputesTwice)
     try:
         x = torch.randn(3, requires_grad=True)
-        with recompute_reclaim_events() as events, pytest.warns(RuntimeWarning, match="exactly once"):
-            _RecomputesTwice.apply(lambda t: t * 2, True, x).sum().backward()
-        assert [(e.role, e.action) for e in events] == [("checkpoint", "unobserved")]
+        with recompute_reclaim_events() as events:
+            fn = lambda t: leak.keep(t * 2.0) or t * 2.0  # noqa: E731
+            _RecomputesTwice.apply(fn, recomputes, x).sum().backward()
         assert torch.equal(x.grad, torch.full((3,), 2.0))
+        assert [(e.role, e.action) for e in events] == (
+            [("input", "released")] * 2 if recomputes else [("checkpoint", "unobserved")])
     finally:
         remove_recompute_reclaim_patch(_RecomputesTwice)
+        leak.clear()
 
 
 def test_retain_graph_a_second_backward_recomputes_from_the_untouched_input():
@@ -341,5 +357,5 @@ def test_retain_graph_a_second_backward_recomputes_from_the_untouched_input():
     """)
     res = run_isolated(code=code, timeout=120, forkserver=True)
     assert res.ok, res.describe() + "\n" + res.stderr[-3000:]
-    # each recompute reads the input through its own identity node: released each time
+    # each backward recomputes with a copy of its own: released each time
     assert "EVENTS ['released', 'released']" in res.stdout, res.stdout

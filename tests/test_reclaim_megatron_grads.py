@@ -2,8 +2,8 @@
 it and without it give bitwise the same gradients (tests/megatron_grad_parity.py builds the
 models), on the installed megatron-core release and on a Megatron-LM dev checkout
 (``STACKFIX_MEGATRON_LM``), each in a child interpreter. The child also says how many
-checkpoint inputs the recompute read through the reclaim's identity node: a step that
-checkpointed nothing would compare nothing."""
+checkpoint inputs the reclaim examined after a recompute: a step that checkpointed nothing would
+compare nothing."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _parity(model: str, dtype: str, dev: bool) -> str:
 
 
 def _assert_bitwise(verdict: str) -> None:
-    match = re.fullmatch(r"bitwise \((\d+) grads, (\d+) inputs read through\)", verdict)
+    match = re.fullmatch(r"bitwise \((\d+) grads, (\d+) inputs examined\)", verdict)
     assert match, verdict
     assert int(match[1]) > 0 and int(match[2]) > 0, verdict
 

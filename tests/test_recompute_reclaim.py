@@ -12,14 +12,21 @@ only a weak reference and a host copy, a custom Function given the input inside 
 no-grad view of the input kept for later, a gradient hook on the input, a walk of the leaked
 graph reading its leaves, a reference cycle holding the input, a nested checkpoint, gradient
 accumulation over micro-batches, ``retain_graph`` with a second backward, collections during
-the recompute (objects promoted to the oldest generation), and the recompute leak
+the recompute (objects promoted to the oldest generation), the recompute leak
 (Megatron-LM #3221 / #5227: the module keeps a recompute intermediate, whose graph ends at the
-checkpoint's input). What every reader saw is compared with the run without the reclaim:
-equal, or (a graph walk reaching the reclaim's stand-in) a Python error -- never another value.
+checkpoint's input), autocast regions (inside the checkpointed function or around forward and
+backward, the input used by two matmuls), games with the input's ``.grad`` (``retain_grad`` and
+a side term backwarded later, an auxiliary backward inside the recompute with its gradient kept
+or dropped, a preset ``.grad``), in-place writes on the input (during the recompute and after
+the backward, with grad and without) and a deepcopy of the module holding its recompute input
+or output. What every reader saw -- gradients, values and the text of every error -- is
+compared with megatron's own backward (the reclaim removed): bitwise equal, or (a graph walk
+reaching a released copy) a Python error naming the reclaim -- never another value.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -78,6 +85,10 @@ alias_graphs = st.fixed_dictionaries({
     "micro_batches": st.integers(1, 2),
     "retain": st.booleans(),
     "collect": st.booleans(),
+    "autocast": st.sampled_from([None, "inside", "around"]),
+    "grad_games": st.sampled_from([None, "retain", "aux-drop", "aux-keep", "preset"]),
+    "inplace": st.sampled_from([None, "during", "during-nograd", "after", "after-nograd"]),
+    "deepcopy": st.sampled_from([None, "input", "output"]),
 })
 
 
@@ -92,11 +103,19 @@ class _Holders(ModuleStateLeak):
         self.side: list = []
         self.views: list = []
         self.hooked: list = []
+        self.errors: list[str] = []  # the text of every error the step's readers got
+        self.copied: list = []  # what a deepcopy of the module holding a recompute tensor got
+        self.step_failed = False
+        self.module = None
 
     def clear(self):
         super().clear()
-        for held in (self.copies, self.cache, self.side, self.views, self.hooked):
+        for held in (self.copies, self.cache, self.side, self.views, self.hooked, self.errors,
+                     self.copied):
             held.clear()
+        self.step_failed = False
+        if self.module is not None:
+            self.module.last = None
 
 
 def _weak_pack(t):
@@ -108,16 +127,49 @@ def _weak_unpack(packed):
     return live if live is not None else packed[1]
 
 
+def _caches(graph) -> bool:
+    return graph["cache"] or graph["inplace"] in ("after", "after-nograd")
+
+
+def _two_matmuls(x, seg):
+    """``x`` in two matmuls (under autocast: cast once where x is a leaf, megatron's copy)."""
+    m = seg.m[: x.shape[-1], : x.shape[-1]]
+    return (x @ m).float().sum() + (x @ m.t()).float().square().sum()
+
+
 def _segment(graph, seg, holders):
     def body(*inputs):
+        recompute = torch.is_grad_enabled()  # the checkpointed forward runs in no_grad
+        if recompute and graph["inplace"] == "during":
+            inputs[0].mul_(1.5)  # a leaf that requires grad: megatron refuses it
+        if recompute and graph["inplace"] == "during-nograd":
+            with torch.no_grad():
+                inputs[0].mul_(1.5)
+        if recompute and graph["grad_games"] == "preset":
+            inputs[0].grad = torch.full_like(inputs[0], 0.5)
+        if recompute and graph["grad_games"] in ("aux-drop", "aux-keep"):
+            (inputs[0] * 3.0).sum().backward()  # an auxiliary backward inside the recompute
+            if graph["grad_games"] == "aux-drop":
+                inputs[0].grad = None
         t = inputs[0] * 1.0 if len(inputs) == 1 else sum(x.sum() for x in inputs) + inputs[0]
+        if graph["autocast"] == "inside":
+            with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
+                t = t + _two_matmuls(inputs[0], seg)
+        elif graph["autocast"] == "around":
+            t = t + _two_matmuls(inputs[0], seg)
         out = seg(t).tanh()
-        if torch.is_grad_enabled():  # the recompute (the checkpointed forward runs in no_grad)
-            holders.copies.extend(weakref.ref(x) for x in inputs)
+        if recompute:
+            # C++ weak references: unlike weakref.ref they are no holder the reclaim counts
+            holders.copies.extend(torch._C._WeakTensorRef(x) for x in inputs)
             if graph["leak"]:
                 holders.keep(out)
-            if graph["cache"]:
+            if _caches(graph):
                 holders.cache.append(inputs[0])
+            if graph["deepcopy"] is not None:
+                seg.last = inputs[0] if graph["deepcopy"] == "input" else out
+            if graph["grad_games"] == "retain":
+                inputs[0].retain_grad()
+                holders.side.append((inputs[0] * 3.0).sum())  # saves no input
             if graph["side"]:
                 holders.side.append((inputs[-1] * seg.w).sum())  # saves the input and w
             if graph["weak_pack"]:
@@ -147,13 +199,45 @@ def _inputs(graph, last):
     return [last, *extra]
 
 
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def _step(graph, params, x, holders):
-    """Micro-batches of forward + backward (+ the side results' backward); returns (weak ref of
-    h's storage, kept aliases)."""
+    """Micro-batches of forward + backward (+ the side results' backward), then the writes and
+    deepcopies after the backward; returns (weak ref of h's storage, kept aliases). An error
+    ends the step: its text is what the step saw."""
+    proj, mix, seg = params
+    holders.module = seg
+    weak_h, kept = None, []
+    around = (torch.autocast(x.device.type, dtype=torch.bfloat16)
+              if graph["autocast"] == "around" else nullcontext())
+    try:
+        with around:
+            weak_h, kept = _micro_batches(graph, params, x, holders)
+    except RuntimeError as e:
+        holders.errors.append(_error(e))
+        holders.step_failed = True
+        return weak_h, kept
+    if graph["inplace"] in ("after", "after-nograd"):
+        try:
+            with torch.no_grad() if graph["inplace"] == "after-nograd" else nullcontext():
+                holders.cache[0].mul_(1.5)
+        except RuntimeError as e:
+            holders.errors.append(_error(e))
+    if graph["deepcopy"] is not None:
+        try:
+            holders.copied.append(copy.deepcopy(seg).last.detach().clone())
+        except RuntimeError as e:
+            holders.errors.append(_error(e))
+    return weak_h, kept
+
+
+def _micro_batches(graph, params, x, holders):
     proj, mix, seg = params
     weak_h, kept = None, []
     for _ in range(graph["micro_batches"]):
-        h = proj(x)
+        h = proj(x).float()
         chain = [h]
         for op in graph["chain"]:
             chain.append(GRAD_VIEW_OPS[op](chain[-1]))
@@ -191,6 +275,8 @@ class _Elementwise(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Parameter(torch.tensor(0.7))
+        self.m = nn.Parameter(torch.linspace(-1.0, 1.0, 64).reshape(8, 8))  # autocast's matmuls
+        self.last = None  # a recompute input or output the module keeps (deepcopied later)
 
     def forward(self, t):
         return (t * self.w).sin()
@@ -227,13 +313,25 @@ def _walk_leaves(outs) -> list:
     return values
 
 
+def _read(fn):
+    """``fn()``, or the text of the error reading it raised (PyTorch refuses some reads, e.g.
+    a no-grad view whose base was written in place with grad: then both runs must refuse)."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        return _error(e)
+
+
 def _observed(graph, holders) -> dict:
     """What the readers of the recompute's inputs saw, once the step is over."""
     return {
-        "cache": [t.detach().clone() for t in holders.cache],
-        "cache.grad": [t.grad.detach().clone() for t in holders.cache],
-        "views": [v.clone() for v in holders.views],
-        "views._base": [v._base.detach().clone() for v in holders.views],
+        "errors": list(holders.errors),
+        "copied": list(holders.copied),
+        "cache": [_read(lambda t=t: t.detach().clone()) for t in holders.cache],
+        "cache.grad": [_read(lambda t=t: None if t.grad is None else t.grad.detach().clone())
+                       for t in holders.cache],
+        "views": [_read(v.clone) for v in holders.views],
+        "views._base": [_read(lambda v=v: v._base.detach().clone()) for v in holders.views],
         "hooked": list(holders.hooked),
         "walk": _walk_leaves(holders.kept) if graph["walk"] else [],
     }
@@ -245,7 +343,9 @@ def _expected_actions(graph, n_inputs: int) -> list[set]:
     expected = []
     for j in range(n_inputs):
         first, last = j == 0, j == n_inputs - 1
-        held = ((graph["cache"] or graph["nograd_view"]) and first) or (
+        # a cache, a no-grad view's base, the offload hook's weak reference, the module
+        held = ((_caches(graph) or graph["nograd_view"] or graph["weak_pack"]
+                 or graph["deepcopy"] == "input") and first) or (
             (graph["side"] or graph["boxed"]) and last)
         # a cycle holds it until a collection, which may come before the backward ends
         maybe = graph["cycle"] and first and not graph["collect"]
@@ -275,21 +375,24 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
             weak_h, kept = _step(graph, params, x, holders)
     finally:
         remove_recompute_reclaim_patch(TARGET)
-    # 1. No reader saw another value: grads equal the no-reclaim run's (the side results', the
-    # offload hook's and the boxed Function's included), and so do the cached inputs and their
-    # .grad, the no-grad views and their bases, the hooks' gradients. A walk of the leaked graph
-    # reads the inputs' values or raises (it reaches the reclaim's stand-in).
+    # 1. No reader saw another value: grads are bitwise megatron's own (the side results', the
+    # offload hook's and the boxed Function's included), and so are the cached inputs and their
+    # .grad, the no-grad views and their bases, the hooks' gradients, the deepcopies and the text
+    # of every error. A walk of the leaked graph reads the inputs' values or raises (it reaches
+    # a released copy).
     got = _grads(params)
     for g, r in zip(got, reference, strict=True):
-        assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), "grads differ from the no-reclaim run"
+        assert torch.equal(g, r), "grads differ from megatron's own backward"
     seen = _observed(graph, holders)
     for name, values in seen.items():
         if name == "walk":
             assert all(v is _RAISED or any(torch.equal(v, r) for r in seen_ref["walk"]
                                            if r is not _RAISED) for v in values), name
             continue
-        assert len(values) == len(seen_ref[name]), name
-        assert all(torch.equal(v, r) for v, r in zip(values, seen_ref[name], strict=True)), name
+        assert len(values) == len(seen_ref[name]), (name, values, seen_ref[name])
+        assert all(v == r if isinstance(v, str) or v is None or r is None else torch.equal(v, r)
+                   for v, r in zip(values, seen_ref[name], strict=True)), (name, values,
+                                                                          seen_ref[name])
     # 2. Nothing is ever resized: every alias the test kept still has all its memory.
     assert all(t.untyped_storage().nbytes() > 0 for t in kept)
     actions = {e.action for e in events}
@@ -297,7 +400,7 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     # 3. The events: per input, ``held`` exactly where a holder outside the recompute graph
     # keeps the recompute's view of it.
     outer = [e.action for e in events if e.role == "input"]
-    if not graph["nested"]:
+    if not graph["nested"] and not holders.step_failed:
         per_backward = _expected_actions(graph, graph["views"])
         backwards = graph["micro_batches"] * (2 if graph["retain"] else 1)
         assert len(outer) == backwards * len(per_backward), outer
@@ -308,11 +411,20 @@ def check_reclaim_invariants(graph, device="cpu", sanitize=False):
     # once collected).
     if graph["cycle"]:
         gc.collect()  # full: a cycle promoted to the oldest generation goes only with it
-    if not (kept or graph["cache"] or graph["nograd_view"]):
+    if weak_h is not None and not (kept or _input_stays(graph)):
         assert storage_gone(weak_h), f"memory no reader holds outlived the step: {events}"
-    if graph["leak"] and not graph["nested"] and not (graph["cache"] or graph["nograd_view"]):
-        assert all(ref() is None for ref in holders.copies), "the leak holds an input"
     holders.clear()
+
+
+def _input_stays(graph) -> bool:
+    """Does a holder keep the input's memory past the step? A cache, a no-grad view, the
+    module; or the leaked graph, when the copy had another holder at the end of the backward
+    (it is then kept as megatron keeps it)."""
+    if _caches(graph) or graph["nograd_view"] or graph["deepcopy"] == "input":
+        return True
+    held_then = graph["side"] or graph["boxed"] or graph["weak_pack"] or graph["cycle"]
+    leaked = graph["leak"] or graph["deepcopy"] == "output"  # the module keeps the output
+    return leaked and held_then
 
 
 @settings(settings.get_profile("stackfix-reclaim"))
@@ -371,7 +483,8 @@ def plain_graph(**changes) -> dict:
     graph = dict(chain=[], viewless=False, views=1, readers=[False] * 5, kept=[False] * 5,
                  leak=False, cache=False, side=False, weak_pack=False, boxed=False,
                  nograd_view=False, hook=False, walk=False, cycle=False, nested=False,
-                 micro_batches=1, retain=False, collect=False)
+                 micro_batches=1, retain=False, collect=False, autocast=None, grad_games=None,
+                 inplace=None, deepcopy=None)
     graph.update(changes)
     return graph
 
@@ -400,26 +513,38 @@ def test_leaked_recompute_input_is_let_go_at_once():
         # Without the reclaim the kept intermediate's graph keeps the detached input and its
         # grad: the leak the reclaim exists for.
         weak_h, _ = _step(graph, params, x, holders)
-        (copy,) = [ref() for ref in holders.copies]
-        assert copy.untyped_storage().nbytes() == 4 * 8 * 4 and not storage_gone(weak_h)
-        assert copy.grad is not None and copy.grad.untyped_storage().nbytes() == 4 * 8 * 4
-        del copy
+        (copy_,) = [v for v in _leaves(holders.kept)]
+        assert copy_.untyped_storage().nbytes() == 4 * 8 * 4 and not storage_gone(weak_h)
+        assert copy_.grad is not None and copy_.grad.untyped_storage().nbytes() == 4 * 8 * 4
+        del copy_
         holders.clear()
         apply_recompute_reclaim_patch(TARGET)
         with recompute_reclaim_events() as events:
             weak_h, _ = _step(graph, params, x, holders)
-        # The leaked graph ends at the identity node's stand-in: the recompute's view of the
-        # input is gone, and with it (nothing else holds it) the input's memory; the gradient
-        # went to autograd, never onto a tensor the leak keeps.
+        # The leaked graph still ends at megatron's detached copy, but nothing else held it:
+        # it let go of the input's memory (nothing else holds that either) and of its grad.
         assert storage_gone(weak_h), events
-        assert [ref() for ref in holders.copies] == [None]
         assert [(e.role, e.action, e.nbytes) for e in events] == [("input", "released", 4 * 8 * 4)]
         (kept,) = holders.kept
-        walked = _walk_leaves([kept])
-        assert walked == [_RAISED]  # the walk reaches the stand-in, whose values cannot be read
+        assert _walk_leaves([kept]) == [_RAISED]  # the released copy's values cannot be read
     finally:
         remove_recompute_reclaim_patch(TARGET)
         holders.clear()
+
+
+def _leaves(outs) -> list:
+    """Every non-parameter leaf the graphs of ``outs`` reach (``AccumulateGrad.variable``)."""
+    seen, leaves, stack = set(), [], [o.grad_fn for o in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and not isinstance(variable, nn.Parameter):
+            leaves.append(variable)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return leaves
 
 
 @pytest.mark.cpu

@@ -1,5 +1,6 @@
-"""The recompute reclaim for megatron-core's ``CheckpointFunction.backward``: the recompute
-graph holds no reference to the checkpoint's inputs, so nothing needs to be freed.
+"""The recompute reclaim for megatron-core's ``CheckpointFunction.backward``: megatron's own
+recompute and backward, untouched; once the backward has returned, a detached input copy that
+nothing but the recompute graph holds lets go of the input's memory and of its ``.grad``.
 
 The leak (Megatron-LM #3221 / #5197, #5227; verl #5251): with full recompute a module keeps a
 recompute intermediate until its next forward. That intermediate's autograd graph ends at the
@@ -9,33 +10,38 @@ workaround ``resize_(0)``\\ s the storage of every input and grad; a storage is 
 view of it, so when an input is a chunk view of a tensor another node still reads, that node
 reads freed memory (verl #7328: SIGSEGV on CPU, CUDA illegal memory access).
 
-The mechanism, in one sentence: the recompute reads each requires-grad input through an
-identity node (``_ReadThrough``) whose only graph edge goes to a 0-dim stand-in, and whose
-backward hands the incoming gradient to the checkpoint's backward in place of the copy's
-``.grad`` -- so a recompute graph that outlives the backward holds the stand-in, never the
-input. No tensor's data is changed and no storage is freed: memory goes by reference counting
-when its last real holder (the input, a view of it, a node that saved it) lets go, and every
-holder reads what it would read without the reclaim.
+The mechanism, in one sentence: after megatron's backward has returned, each detached copy
+whose only holder is its own ``AccumulateGrad`` node -- counted exactly: Python references,
+weak references, the TensorImpl's C++ holders (``Tensor._use_count``: saved tensors, views'
+bases, the node), post-accumulate-grad hooks -- has its ``.grad`` slot emptied and its data
+pointed at a zero-stride scalar, so the leaked graph holds none of the input's memory; a copy
+anyone else can reach is left exactly as megatron leaves it.
 
-What the recompute sees (the contract, checkable in ``_Recompute.__call__``):
+What this keeps (checkable in ``_Recompute`` and ``_let_go``):
 
-* each routed input is a tensor on the input's storage with the same shape, strides, dtype,
-  device, version counter and values as megatron's detached copy, ``requires_grad`` True,
-  ``_base`` None -- but not a leaf: its ``grad_fn`` is the identity node. Its ``.grad`` is
-  filled as a leaf's would be (the same gradient tensor, accumulated across backward calls)
-  for whoever still holds it after the backward; ``register_post_accumulate_grad_hook`` on it
-  raises (PyTorch refuses it on non-leaves); graph walks find the stand-in, not the input.
-* an in-place change of its autograd history during the recompute (an in-place op with grad
-  enabled, which megatron's leaf refuses; ``detach_()``) raises ``RuntimeError`` once the
-  recompute returns, naming this fix.
-* inputs that do not require grad, tensor subclasses (DTensor, Float8Tensor), non-strided
-  layouts and recomputes that run with grad disabled are passed as megatron passes them, with
-  megatron's own semantics (and leak).
+* The recompute gets megatron's own detached leaves and the backward's result is megatron's
+  own, bitwise: the reclaim changes nothing before the backward returns. autocast's cast cache,
+  ``.grad`` (``retain_grad``, hooks, a backward inside the recompute), ``is_leaf``,
+  ``requires_grad_()`` and the refusal of an in-place write on a leaf that requires grad (before
+  it lands) are megatron's -- during the recompute and for every holder of a copy after it.
+* No storage is freed or resized, and no tensor anyone can reach is changed: the input's memory
+  goes by reference counting when its last real holder (the input, a view of it, a node that
+  saved the copy) lets go. A copy held by anything but its node (a module caching it, a weak
+  reference, a frame, a view of it, a node that saved it, a hook) is kept, readable and
+  unchanged, with megatron's leak (event ``held``).
+* The only way to reach a released copy is a walk of the leaked graph
+  (``AccumulateGrad.variable``): it is a ``_ReleasedCopy``, whose shape, dtype, device and
+  autograd flags read as before and whose values and ``.grad`` raise a ``RuntimeError`` naming
+  this reclaim and ``fixes.megatron.remove_recompute_reclaim_patch()``. Every error the reclaim
+  raises is that one.
+* Inputs that do not require grad, tensor subclasses (DTensor, Float8Tensor) and non-strided
+  layouts are left alone.
 
 Works with any reentrant checkpoint Function whose backward recomputes through
-``ctx.run_function(*detached)`` and returns ``(None,) * k + tuple(d.grad for d in detached)``:
-megatron-core's ``tensor_parallel.random.CheckpointFunction`` by default, and PyTorch's
-``torch.utils.checkpoint.CheckpointFunction`` (``use_reentrant=True``) for torch-only tests.
+``ctx.run_function(*detached)``: megatron-core's ``tensor_parallel.random.CheckpointFunction``
+by default, and PyTorch's ``torch.utils.checkpoint.CheckpointFunction`` (``use_reentrant=True``)
+for torch-only tests. It relies on nothing else of the backward's shape: whatever its function
+got is examined, and only what nobody can reach is changed.
 
 Install order: the reclaim always wraps the module's *own* backward (``fixes.megatron.pristine``).
 A backward assigned by someone else before the install (verl's
@@ -48,11 +54,12 @@ and ``installed_reclaim()`` reports what is installed *now*.
 from __future__ import annotations
 
 import functools
-import warnings
+import sys
 import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fixes.megatron.backward_patch import (
     install_backward_wrapper,
@@ -80,185 +87,189 @@ __all__ = [
     "reset_backward",
 ]
 
-PATCH_KIND = "read-through"
+PATCH_KIND = "release-unheld"
+WAY_OUT = "fixes.megatron.remove_recompute_reclaim_patch()"
 
 
-# --- the identity node ---------------------------------------------------------------------------
+# --- a released copy ------------------------------------------------------------------------
+
+# What a walk of a leaked graph may still read of a released copy: what letting go did not
+# change. Everything else (values, strides, storage, .grad, pickling, deepcopy) raises.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad_fn",
+    "output_nr", "_version", "_base", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+    "is_quantized", "is_nested", "size", "dim", "numel", "element_size", "get_device",
+    "is_floating_point", "is_complex", "requires_grad_",
+})
 
 
-class _Slot:
-    """Where one routed input's gradient goes: to the checkpoint's backward while it runs
-    (``open``), and to the recompute's view of the input for whoever still holds it."""
-
-    __slots__ = ("grad", "open", "view", "mirrored", "storage")
-
-    def __init__(self) -> None:
-        self.grad: torch.Tensor | None = None
-        self.open = True
-        self.view: weakref.ref | None = None
-        self.mirrored = False  # the view's .grad was set by us (reading it then warns not)
-        self.storage = (0, 0)
-
-    def receive(self, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            return
-        if self.open:
-            self.grad = grad if self.grad is None else self.grad + grad
-        view = self.view()
-        if view is not None:  # a leaf's .grad, as megatron's detached copy would have it
-            previous = view.grad if self.mirrored else None
-            view.grad = grad if previous is None else previous + grad
-            self.mirrored = True
-
-
-class _ReadThrough(torch.autograd.Function):
-    """``value`` unchanged (a new tensor on its storage, sharing its version counter), with an
-    autograd edge to ``stand_in`` only; the gradient goes to ``slot``."""
-
-    @staticmethod
-    def forward(ctx, stand_in, value, slot):
-        ctx.slot = slot
-        ctx.set_materialize_grads(False)  # no gradient stays no gradient, as for a leaf
-        return value.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.slot.receive(grad)
-        return None, None, None
-
-
-_READ_NODE = _ReadThrough._backward_cls
-
-
-class _StandIn(torch.Tensor):
-    """The leaf every identity node's edge goes to: one 0-dim tensor for the process. It never
-    receives a gradient (the node returns None for it); it only makes the node's output require
-    grad. A graph walk that reaches it (``AccumulateGrad.variable``) finds it where megatron's
-    graph has the checkpoint's detached copy: reading its values raises instead of answering
-    with a stand-in's; its metadata (``shape``, ``requires_grad``, ``grad``) reads as its own."""
+class _ReleasedCopy(torch.Tensor):
+    """A checkpoint's detached input copy the reclaim let go of: nothing but its own
+    ``AccumulateGrad`` node (in a leaked recompute graph) held it. Its data is a zero-stride
+    scalar, its ``.grad`` slot empty; reading either raises instead of answering."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) == "__get__" or func is torch.Tensor.__hash__:
+        name = getattr(func, "__name__", None)
+        if name in ("__get__", "__set__", "__delete__"):  # a property of the tensor
+            name = getattr(getattr(func, "__self__", None), "__name__", None)
+            allowed = name in _METADATA or func.__name__ != "__get__"
+        else:
+            allowed = name in _METADATA or func is torch.Tensor.__hash__
+        if allowed:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         raise RuntimeError(
-            f"{getattr(func, '__name__', func)} on stackfix's recompute stand-in: with the "
-            "recompute reclaim (fixes.megatron.apply_recompute_reclaim_patch) the recompute "
-            "reads each checkpoint input through an identity node whose graph edge ends at this "
-            "0-dim stand-in, not at the input's detached copy; the input is not reachable from "
-            "the recompute graph. Remove the reclaim to walk megatron's own graph.")
+            f"{name} of a checkpoint input copy released by stackfix's recompute reclaim: once "
+            "megatron's backward had returned, nothing but the leaked recompute graph held this "
+            "detached copy, so the reclaim let go of the input's memory and its .grad (the "
+            "Megatron-LM #3221 leak); a walk of that graph finds the copy without its values. "
+            f"Call {WAY_OUT} (or do not apply it) to walk megatron's own graph.")
 
     def __repr__(self) -> str:
-        return "stackfix recompute stand-in (not a checkpoint input)"
+        return (f"<checkpoint input copy released by stackfix's recompute reclaim: "
+                f"shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}>")
 
 
-_STAND_IN = torch.Tensor._make_subclass(_StandIn, torch.zeros(()), True)
+_SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _routable(arg: object) -> bool:
-    return (type(arg) in (torch.Tensor, torch.nn.Parameter) and arg.requires_grad
-            and arg.layout is torch.strided)
+def _nothing_like(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape, dtype and device on one shared element: no memory of the input. (Shape
+    and dtype are kept: a later backward through the leaked graph still accumulates into the
+    copy, and AccumulateGrad reads its sizes and strides.)"""
+    key = (t.dtype, t.device)
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        scalar = _SCALARS.setdefault(key, torch.zeros((), dtype=t.dtype, device=t.device))
+    return scalar.expand(t.shape)
+
+
+def _prepare_scalars() -> None:
+    """The elements released copies point at, made at install time for the float dtypes on the
+    CPU and, if CUDA is already initialized (never initialized here), its current device: the
+    reclaim then allocates nothing during training (one element per other dtype or device)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    for device in devices:
+        for dtype in _FLOATS:
+            _SCALARS.setdefault((dtype, device), torch.zeros((), dtype=dtype, device=device))
+
+
+# --- who holds a copy ------------------------------------------------------------------------
+
+
+def _holders(args: tuple, i: int) -> tuple[int, int, int]:
+    """Python references, weak references and TensorImpl holders of ``args[i]``, ours included:
+    compare with ``_UNHELD``, measured through this same function."""
+    t = args[i]
+    return sys.getrefcount(t), weakref.getweakrefcount(t), t._use_count()
+
+
+def _measure_unheld() -> dict[int, int]:
+    """TensorImpl holders -> Python references, of a leaf only ``args`` holds (1: its Python
+    object) and of one only ``args`` and its own AccumulateGrad node hold. (PyTorch 2.13 holds
+    one more reference to the Python object while C++ holds the tensor: measured, not assumed.)"""
+    args = (torch.zeros((), requires_grad=True),)
+    alone, _, one = _holders(args, 0)
+    edge = torch.autograd.graph.get_gradient_edge(args[0])  # holds the node, the node the leaf
+    with_node, _, two = _holders(args, 0)
+    del edge
+    return {one: alone, two: with_node}
+
+
+_UNHELD = _measure_unheld()
+_ALONE, _WITH_NODE = sorted(_UNHELD)
+
+
+def _let_go(args: tuple, i: int) -> ReclaimAction:
+    """Release ``args[i]`` (a detached copy the recompute got) if nothing but its own
+    AccumulateGrad node holds it; ``held`` otherwise, and then it is left untouched."""
+    python, weak, impl = _holders(args, i)
+    t = args[i]
+    if (_UNHELD.get(impl) != python or weak
+            or getattr(t, "_post_accumulate_grad_hooks", None)):
+        return ReclaimAction.HELD  # a holder we cannot name, a weak reference, a hook that gets it
+    if impl == _ALONE:
+        return ReclaimAction.RELEASED  # nothing else holds it: it goes with ``args``
+    if not t.requires_grad:
+        return ReclaimAction.HELD
+    # One C++ holder besides its Python object: its own AccumulateGrad node, or another (a
+    # custom Function that saved it without an edge to it)? The node exists iff asking for it
+    # adds no holder.
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    own_node = t._use_count() == impl
+    del edge
+    if not own_node:
+        return ReclaimAction.HELD
+    t.grad = None
+    # The reclaim's own bookkeeping, not the model's: no tensor dispatch mode a tool runs
+    # (a memory tracker, say) sees it.
+    with _disable_current_modes():
+        t.data = _nothing_like(t)
+    t.__class__ = _ReleasedCopy
+    return ReclaimAction.RELEASED
+
+
+# --- the recompute ---------------------------------------------------------------------------
+
+
+def _examined(arg: object) -> bool:
+    return (type(arg) is torch.Tensor and arg.requires_grad and arg.layout is torch.strided)
 
 
 class _Recompute:
-    """``ctx.run_function`` for the duration of one checkpoint backward: the first call gets
-    each routable input through an identity node; ``hand_over`` puts the gradients the nodes
-    received into the backward's result, in place of the copies' (empty) ``.grad``."""
+    """``ctx.run_function`` for the duration of one checkpoint backward: calls it with exactly
+    what megatron passes, and remembers those arguments for ``let_go``."""
 
-    __slots__ = ("run_function", "calls", "nargs", "slots")
+    __slots__ = ("run_function", "calls")
 
     def __init__(self, run_function: Callable) -> None:
         self.run_function = run_function
-        self.calls = 0
-        self.nargs = 0
-        self.slots: list[tuple[int, _Slot]] = []
+        self.calls: list[tuple] = []
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls > 1 or not torch.is_grad_enabled():
-            if self.calls == 1:
-                self._passed(args)
-            return self.run_function(*args, **kwargs)
-        self.nargs = len(args)
-        routed = list(args)
-        for i, arg in enumerate(args):
-            if not _routable(arg):
-                if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                    self._passed((arg,))
-                continue
-            slot = _Slot()
-            if _observers:
-                slot.storage = storage_of(arg)
-            routed[i] = _ReadThrough.apply(_STAND_IN, arg.detach(), slot)
-            slot.view = weakref.ref(routed[i])
-            self.slots.append((i, slot))
-        out = self.run_function(*routed, **kwargs)
-        for i, _ in self.slots:
-            if type(routed[i].grad_fn) is not _READ_NODE:
-                raise RuntimeError(
-                    f"stackfix recompute reclaim: the checkpointed function changed the autograd "
-                    f"history of its input {i} in place during the recompute (an in-place op "
-                    f"with grad enabled, or detach_()); megatron's own backward refuses this too "
-                    "(a leaf that requires grad used in an in-place operation). Make the op "
-                    "out of place, or remove the reclaim (fixes.megatron."
-                    "remove_recompute_reclaim_patch) to get megatron's own error.")
-        return out
+        self.calls.append(args)
+        return self.run_function(*args, **kwargs)
 
-    @staticmethod
-    def _passed(args) -> None:
-        for arg in args:
-            if _observers and isinstance(arg, torch.Tensor) and arg.requires_grad:
-                emit(ReclaimAction.PASSED, "input", *storage_of(arg))
-
-    def hand_over(self, result: tuple) -> tuple:
-        for _, slot in self.slots:
-            slot.open = False
-        if self.calls != 1:
-            if any(slot.grad is not None for _, slot in self.slots):
-                raise RuntimeError(
-                    "stackfix recompute reclaim: the checkpoint's backward called "
-                    f"ctx.run_function {self.calls} times and the first call's inputs received "
-                    "gradients: which call's gradients it returns is not known. Remove the "
-                    "reclaim for this checkpoint Function.")
+    def let_go(self) -> None:
+        """After the backward returned: release every copy only its AccumulateGrad holds."""
+        calls, self.calls = self.calls, []
+        if not calls:
             emit(ReclaimAction.UNOBSERVED, "checkpoint")
-            warnings.warn(
-                "stackfix reclaim: the checkpoint's backward did not call ctx.run_function "
-                "exactly once; its own result is returned", RuntimeWarning, stacklevel=3)
-            return result
-        offset = len(result) - self.nargs
-        if offset < 0:
-            raise RuntimeError(
-                f"stackfix recompute reclaim: the checkpoint's backward returned {len(result)} "
-                f"gradients for {self.nargs} recompute inputs; not a checkpoint Function of the "
-                "shape the reclaim wraps")
-        result = list(result)
-        for i, slot in self.slots:
-            if result[offset + i] is not None:
-                raise RuntimeError(
-                    f"stackfix recompute reclaim: the checkpoint's backward returned a gradient "
-                    f"for input {i} that the recompute never read; not a checkpoint Function of "
-                    "the shape the reclaim wraps")
-            result[offset + i], slot.grad = slot.grad, None
-            if _observers:
-                held = slot.view() is not None
-                emit(ReclaimAction.HELD if held else ReclaimAction.RELEASED, "input",
-                     *slot.storage)
-        return tuple(result)
+            return
+        for args in calls:
+            for i in range(len(args)):
+                if not isinstance(args[i], torch.Tensor) or not args[i].requires_grad:
+                    continue
+                if not _examined(args[i]):
+                    if _observers:
+                        emit(ReclaimAction.PASSED, "input", *storage_of(args[i]))
+                    continue
+                storage = storage_of(args[i]) if _observers else (0, 0)
+                action = _let_go(args, i)
+                if _observers:
+                    emit(action, "input", *storage)
 
 
 def _reclaiming(backward: Callable) -> Callable:
     @functools.wraps(backward)
-    def read_through_backward(ctx, *grad_outputs):
+    def reclaiming_backward(ctx, *grad_outputs):
         recompute = _Recompute(ctx.run_function)
         ctx.run_function = recompute
         try:
             result = backward(ctx, *grad_outputs)
+        except BaseException:
+            recompute.calls.clear()
+            raise
         finally:
             ctx.run_function = recompute.run_function
-        return recompute.hand_over(result)
+        recompute.let_go()
+        return result
 
-    return read_through_backward
+    return reclaiming_backward
 
 
 def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
@@ -266,6 +277,7 @@ def apply_recompute_reclaim_patch(target: type | None = None) -> bool:
     a reentrant checkpoint Function of the same shape), around the module's own backward; a
     foreign backward (verl's reclaim) is replaced, with a warning. Returns False when it was
     already installed."""
+    _prepare_scalars()
     return install_backward_wrapper(PATCH_KIND, _reclaiming, target)
 
 

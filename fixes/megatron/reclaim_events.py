@@ -21,20 +21,19 @@ class ReclaimAction(enum.StrEnum):
     """What a reclaim did with one checkpoint input (``role`` input) or checkpoint call
     (``role`` checkpoint); one meaning each."""
 
-    #: The recompute read the input through the identity node, and once the checkpoint's
-    #: backward had returned nothing referred to the recompute's view of it: the recompute keeps
-    #: none of its memory (a leaked recompute graph holds the stand-in).
+    #: Once the checkpoint's backward had returned, nothing but the recompute graph held the
+    #: recompute's detached copy of the input (or nothing at all): the copy keeps none of the
+    #: input's memory and no gradient (a leaked recompute graph holds a released copy).
     RELEASED = "released"
-    #: Read through the identity node, and after the backward something outside the recompute
-    #: graph still held the recompute's view (a Python reference, a node that saved it, a view
-    #: of it): that holder keeps it, readable and unchanged, until it lets go.
+    #: After the backward something besides the recompute graph held the detached copy (a
+    #: Python or weak reference, a node that saved it, a view of it, a hook that gets it): it is
+    #: left exactly as megatron leaves it, readable and unchanged, and so is megatron's leak.
     HELD = "held"
-    #: A requires-grad input the reclaim does not route (a tensor subclass, a non-strided
-    #: layout, a recompute run with grad disabled): the recompute got megatron's own detached
-    #: copy, with megatron's semantics, leak included.
+    #: A requires-grad input the reclaim does not examine (a tensor subclass, a non-strided
+    #: layout): megatron's own semantics, leak included.
     PASSED = "passed"
-    #: Role checkpoint: the backward did not call ``ctx.run_function`` exactly once, so which
-    #: call's inputs are the checkpoint's is not known: megatron's own result was returned.
+    #: Role checkpoint: the backward never called ``ctx.run_function``: there was no copy to
+    #: examine.
     UNOBSERVED = "unobserved"
     #: A storage resized to zero bytes: verl's mechanism, in the harness's unfixed reclaims
     #: only. stackfix's reclaim never emits it.

@@ -1,6 +1,6 @@
 """Who else holds a tensor's memory? ``is_storage_exclusive`` answers it for users auditing a
-``resize_(0)`` (the reclaim itself counts nothing: its recompute graphs hold no reference to
-their inputs, ``fixes.megatron.reclaim``).
+``resize_(0)`` (the reclaim itself frees no storage; it counts the holders of its own detached
+copies, ``fixes.megatron.reclaim``).
 
 Why it matters: verl's recompute reclaim (verl #5251, the workaround for Megatron-LM #3221)
 calls ``untyped_storage().resize_(0)`` on every checkpoint input. ``resize_(0)`` frees the
