@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import textwrap
-import weakref
 
 import pytest
 import torch
