@@ -6,6 +6,12 @@ from fixes.megatron.mtp_postprocess import (
     remove_mtp_postprocess_patch,
     wrap_postprocess,
 )
+from fixes.megatron.output_discard import (
+    apply_output_discard_patch,
+    installed_output_discard,
+    kept_outputs,
+    remove_output_discard_patch,
+)
 from fixes.megatron.reclaim import (
     ReclaimAction,
     ReclaimEvent,
@@ -20,11 +26,15 @@ __all__ = [
     "ReclaimAction",
     "ReclaimEvent",
     "apply_mtp_postprocess_patch",
+    "apply_output_discard_patch",
     "apply_recompute_reclaim_patch",
+    "installed_output_discard",
     "installed_reclaim",
     "is_storage_exclusive",
+    "kept_outputs",
     "recompute_reclaim_events",
     "remove_mtp_postprocess_patch",
+    "remove_output_discard_patch",
     "remove_recompute_reclaim_patch",
     "wrap_postprocess",
 ]
