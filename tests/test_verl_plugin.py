@@ -176,7 +176,8 @@ def test_a_known_release_arms_its_patches_and_names_what_it_leaves(tmp_path):
     got = json.loads(done.stdout)
     assert set(got["pending"]) == {"verl.models.mcore.patch",
                                    "verl.workers.engine.torchtitan.transformer_impl",
-                                   "megatron.core.tensor_parallel.random"}
+                                   "megatron.core.tensor_parallel.random",
+                                   "megatron.core.transformer.multi_token_prediction"}
     left = dict(got["left_alone"])
     assert any("mhc_multistream" in why for why in left.values())  # 0.9.1 has crash 3's fix
     (line,) = _log_lines(done.stderr)
