@@ -62,7 +62,7 @@ def setup(device: str) -> None:
     if not mtp_recompute_needs_patch():
         from megatron.core import __version__
 
-        raise Skipped(f"megatron-core {__version__} is not affected: MultiTokenPredictionLayer's "
+        raise Skipped(f"n/a on megatron-core {__version__}: MultiTokenPredictionLayer's "
                       "forward passes no padding_mask its _checkpointed_forward lacks "
                       "(affected: 0.18.0, 0.18.2)")
     setup_megatron(device)

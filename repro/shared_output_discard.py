@@ -123,9 +123,9 @@ def _require_residual_norm_path() -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if "fused_residual_rmsnorm" not in TransformerConfig.__dataclass_fields__:
-        raise Skipped(f"megatron-core {__version__}'s TransformerLayer has no (output, residual) "
-                      "norm path (fused_residual_rmsnorm); shared-output-discard-class runs the "
-                      "class itself")
+        raise Skipped(f"n/a on megatron-core {__version__}: its TransformerLayer has no (output, "
+                      "residual) norm path (fused_residual_rmsnorm); shared-output-discard-class "
+                      "runs the class itself")
 
 
 def run(fixed: bool, device: str, cfg: SharedOutputConfig = SharedOutputConfig()) -> None:

@@ -70,9 +70,9 @@ def test_the_installed_megatron_needs_it_exactly_on_the_affected_releases():
 def test_a_padding_mask_tensor_is_refused_on_the_affected_release():
     """On megatron-core 0.18.x (the compat matrix's cells): GPTModel with MTP, full recompute and
     a padding mask raises the refusal, not megatron's TypeError."""
-    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    core = pytest.importorskip("megatron.core", reason="megatron-core not installed")
     if not mtp_recompute_needs_patch():
-        pytest.skip("the installed megatron-core is not 0.18.x: nothing to refuse")
+        pytest.skip(f"n/a on megatron-core {core.__version__}: not 0.18.x, nothing to refuse")
     from repro.mtp_full_recompute import build_gpt_mtp, gpt_mtp_grads, setup
 
     setup("cpu")
