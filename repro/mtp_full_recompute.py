@@ -25,7 +25,10 @@ __all__ = ["REPROS", "build_gpt_mtp", "gpt_mtp_grads"]
 
 
 def build_gpt_mtp(device: str, recompute: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -67,7 +70,10 @@ def setup(device: str) -> None:
                       "(affected: 0.18.0, 0.18.2)")
     setup_megatron(device)
     if device == "cpu":
-        from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim, install_megatron_cpu_shims
+        from fixes.testing.megatron_cpu import (
+            install_megatron_cpu_moe_shim,
+            install_megatron_cpu_shims,
+        )
 
         install_megatron_cpu_shims(force=True)
         install_megatron_cpu_moe_shim()  # the MTP loss tracker allocates on current_device()

@@ -47,7 +47,7 @@ def _harness_patch(mrandom, keep: Callable[[object, tuple], tuple[bool, ...]]) -
     def discard(self, hook_tensor):
         outputs, kept = self.outputs, getattr(self, "_harness_kept", ())
         if outputs is not None and any(kept):
-            self.outputs = tuple(o for o, k in zip(outputs, kept) if not k)
+            self.outputs = tuple(o for o, k in zip(outputs, kept, strict=True) if not k)
         try:
             return own_discard(self, hook_tensor)
         finally:

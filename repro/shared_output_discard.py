@@ -205,7 +205,7 @@ def run_class(fixed: bool, device: str, cfg: SharedOutputConfig = SharedOutputCo
     with output_discard("ours" if fixed else "released"):
         got = step(True)
     for name, a, b in (("output", got[0], ref[0]), ("input grad", got[1], ref[1]),
-                       *(("parameter grad", a, b) for a, b in zip(got[2], ref[2]))):
+                       *(("parameter grad", a, b) for a, b in zip(got[2], ref[2], strict=True))):
         if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
             raise WrongResult(f"{name} differs from no checkpoint by {(a - b).abs().max():g}")
     print("shared-output-discard-class: output and grads equal no checkpoint", flush=True)

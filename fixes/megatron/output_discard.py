@@ -102,7 +102,7 @@ def _discarding_exclusive(discard: Callable) -> Callable:
             return discard(self, *args, **kwargs)
         # Megatron's own discard, shown only the outputs to free; every output back in its
         # place for the recompute, which pairs them with the recomputed ones by position.
-        self.outputs = tuple(o for o, keep in zip(outputs, kept) if not keep)
+        self.outputs = tuple(o for o, keep in zip(outputs, kept, strict=True) if not keep)
         try:
             return discard(self, *args, **kwargs)
         finally:
