@@ -85,8 +85,10 @@ def _judging(checkpoint: Callable) -> Callable:
     @functools.wraps(checkpoint)
     def checkpoint_judging_outputs(self, run_function, *args):
         setattr(self, _KEPT, ())
+        before = self.outputs
         result = checkpoint(self, run_function, *args)
-        if self.outputs is not None and self.run_function is run_function:  # not graph warmup
+        # Megatron sets new outputs unless it skipped checkpointing (CUDA graph warmup).
+        if self.outputs is not None and self.outputs is not before:
             setattr(self, _KEPT, _judge(self.outputs))
         return result
 
