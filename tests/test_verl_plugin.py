@@ -175,11 +175,30 @@ def test_a_known_release_arms_its_patches_and_names_what_it_leaves(tmp_path):
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert set(got["pending"]) == {"verl.models.mcore.patch",
-                                   "verl.workers.engine.torchtitan.transformer_impl"}
+                                   "verl.workers.engine.torchtitan.transformer_impl",
+                                   "megatron.core.tensor_parallel.random",
+                                   "megatron.core.transformer.multi_token_prediction"}
     left = dict(got["left_alone"])
     assert any("mhc_multistream" in why for why in left.values())  # 0.9.1 has crash 3's fix
     (line,) = _log_lines(done.stderr)
     assert "verl 0.9.1" in line and "already forwards mhc_multistream" in line
+
+
+@pytest.mark.cpu
+def test_the_output_discard_patch_installs_on_megatrons_module_as_it_is_imported():
+    """What the plugin runs when megatron-core's ``tensor_parallel.random`` is imported in a verl
+    process (the module is armed there: the test above): the output discard goes on its class."""
+    mrandom = pytest.importorskip("megatron.core.tensor_parallel.random",
+                                  reason="megatron-core not installed")
+    from fixes.megatron import installed_output_discard, remove_output_discard_patch
+    from fixes.verl import output_discard
+
+    assert output_discard.PATCH.module == mrandom.__name__
+    try:
+        output_discard.install(mrandom, "0.9.1")
+        assert installed_output_discard()
+    finally:
+        remove_output_discard_patch()
 
 
 @pytest.mark.cpu

@@ -47,10 +47,19 @@ nothing. verl's ``resize_(0)`` — the behaviour under test — runs as released
    (``current_device``) is only installed where CUDA is absent. Only where those calls would
    fail, and only in the processes that ask for it (the CPU cells of
    ``benchmarks.megatron_scale``; repro/verl_engine.py's CUDA training runs, without TE).
+6. ``CheckpointWithoutOutput`` without Transformer Engine (``bind_missing_te_fp8_state``): the
+   class sets ``self.fp8 = fp8 is not None``, so its default ``fp8=False`` takes the FP8 branch
+   and ``CheckpointWithoutOutputFunction.forward`` reads ``FP8GlobalStateManager``, which
+   ``tensor_parallel.random`` binds only when TE imports (0.16.1 through 0.19.2 and Megatron-LM
+   main 19deef67): every selective "layernorm" / "moe_act" recompute raises ``NameError``
+   without TE, on CPU and CUDA. The binding answers as TE does with FP8 off
+   (``is_fp8_enabled()`` False, no recipe; ``activation_recompute_forward`` / ``fp8_autocast``
+   contexts that do nothing). Bound only where the names are missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -120,6 +129,36 @@ def bind_missing_te_general_gemm() -> bool:
     if hasattr(moe_utils, "te_general_gemm"):
         return False
     moe_utils.te_general_gemm = None
+    return True
+
+
+class _FP8Off:
+    """What TE's ``FP8GlobalStateManager`` answers with FP8 off."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
+def _no_fp8_context(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+def bind_missing_te_fp8_state() -> bool:
+    """``megatron.core.tensor_parallel.random``'s TE names (``FP8GlobalStateManager``,
+    ``activation_recompute_forward``, ``fp8_autocast``) bound to "FP8 off" where TE did not bind
+    them. True if it bound them now."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if hasattr(mrandom, "FP8GlobalStateManager"):
+        return False
+    mrandom.FP8GlobalStateManager = _FP8Off
+    mrandom.activation_recompute_forward = _no_fp8_context
+    mrandom.fp8_autocast = _no_fp8_context
     return True
 
 

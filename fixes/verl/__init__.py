@@ -15,6 +15,8 @@ calls does not matter:
 - crash 1, ``fixes.verl.torchtitan_engine``: ``TorchTitanEngine``'s activation checkpointing
   re-enters the spmd mesh in recompute, on any thread (verl #6950);
 - crash 3, ``fixes.verl.mtp``: verl 0.8.0's MTP postprocess forwards ``mhc_multistream``;
+- megatron-core 0.18.x, ``fixes.verl.mtp_recompute``: MTP with full recompute takes the
+  ``padding_mask`` its forward passes (verl #7326, Megatron-LM #4933);
 - vLLM refit, ``fixes.verl.vllm_refit``: left alone (why: its docstring).
 
 Loading logs one WARNING line on logger ``fixes.verl``, naming the verl version, what it patches

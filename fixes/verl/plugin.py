@@ -6,14 +6,14 @@ import functools
 import os
 from dataclasses import dataclass
 
-from fixes.verl import mtp, reclaim, torchtitan_engine, vllm_refit
+from fixes.verl import mtp, mtp_recompute, output_discard, reclaim, torchtitan_engine, vllm_refit
 from fixes.verl.patch import VerlPatch, left_alone_at_install, logger
 from fixes.verl.post_import import when_imported
 from fixes.verl.release import KNOWN, verl_version
 from fixes.verl.switch import ENV, plugin_enabled
 
-PATCHES: tuple[VerlPatch, ...] = (reclaim.PATCH, torchtitan_engine.PATCH, mtp.PATCH,
-                                  vllm_refit.PATCH)
+PATCHES: tuple[VerlPatch, ...] = (reclaim.PATCH, output_discard.PATCH, torchtitan_engine.PATCH,
+                                  mtp.PATCH, mtp_recompute.PATCH, vllm_refit.PATCH)
 
 
 @dataclass(frozen=True, slots=True)

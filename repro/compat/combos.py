@@ -3,6 +3,7 @@
 Why these: torch 2.13.0 (the CPU build CI uses) against 2.15.0 (newest; a CUDA build on PyPI,
 which runs on CPU); spmd-types 0.2.3 (what torchtitan 0.3.0 pins) against 0.3.1 (then without
 torchtitan); megatron-core 0.16.1 (newest for Python 3.11) against 0.19.2 (needs Python 3.12);
+megatron-core 0.17.1 and 0.18.2 (0.18.x: MTP + full recompute's padding_mask TypeError, verl #7326);
 verl 0.8.0 / 0.9.1 as released (pure-python wheels, unpacked beside the venv); torch-remat 0.2.2
 (torchtitan #4497 moves activation checkpointing to it).
 """
@@ -102,6 +103,10 @@ COMBINATIONS: tuple[Combination, ...] = (
         packages=(*_TITAN, "megatron-core==0.19.2", "numpy", "torch-remat==0.2.2"), verl="both",
         lift_pip_cap=True,
     ),
+    *(Combination(
+        name=f"py3.12-torch2.13-spmd0.2.3-mcore{mcore}", python="3.12", torch="2.13.0",
+        packages=(*_TITAN, f"megatron-core=={mcore}", "numpy", "torch-remat==0.2.2"), verl="0.9.1",
+    ) for mcore in ("0.17.1", "0.18.2")),
 )
 
 

