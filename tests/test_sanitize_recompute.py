@@ -511,3 +511,32 @@ def test_views_of_the_regions_own_tensors_are_unprinted_and_a_changed_weights_vi
             y.backward()
     assert caught.value.what == "values" and caught.value.op.startswith("aten.t")
     assert "in region" in caught.value.recompute_site[0]
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
+    """With the cycle collector off, the recompute's graph and tensors go when backward is done
+    (as torch's ``test_nested_checkpoint_early_stop`` asserts): the sanitizer keeps no
+    reference cycle through the early-stop exception's frames."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    made: list[weakref.ref] = []
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        h = (x @ w).sin()
+        made.append(weakref.ref(h))
+        return h.cos()
+
+    gc.collect()
+    gc.disable()
+    try:
+        with recompute_sanitizer(), set_checkpoint_early_stop(early_stop):
+            checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+        assert len(made) == 2  # the forward's and the recompute's
+        assert [r() is None for r in made] == [True, True]
+    finally:
+        gc.enable()

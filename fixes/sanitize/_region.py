@@ -392,7 +392,13 @@ class Region:
             if replay is not None:
                 replay.judge()
             if stop is not None:
-                raise stop
+                # The early stop re-raised without its own frame keeping it: a local that
+                # holds the exception whose traceback holds this frame is a cycle, and the
+                # stopped recompute's graph and tensors would wait for the cycle collector.
+                try:
+                    raise stop
+                finally:
+                    stop = replay = None
 
         judged_recompute.__wrapped__ = recompute_fn
         return judged_recompute
