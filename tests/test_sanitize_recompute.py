@@ -540,3 +540,23 @@ def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
         assert [r() is None for r in made] == [True, True]
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("change", ["values", "shape"])
+def test_a_users_except_checkpoint_error_catches_the_sanitizers_error(change):
+    """Where torch's checkpoint raises ``CheckpointError`` (a recompute that saves other
+    tensors: nondeterministic, or mutating its input) the sanitizer's error comes first; a
+    user's ``except CheckpointError`` must still catch it."""
+    from torch.utils.checkpoint import CheckpointError
+
+    w = torch.randn(8, 8, requires_grad=True)
+    state = {"n": 4}
+
+    def f(x):
+        return (x[: state["n"]] @ w).sin() if change == "shape" else (x @ w * state["n"]).sin()
+
+    with recompute_sanitizer(), pytest.raises(CheckpointError) as caught:
+        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+        state["n"] = 3
+        y.backward()
+    assert isinstance(caught.value, RecomputeMismatchError)
