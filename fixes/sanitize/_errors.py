@@ -15,6 +15,9 @@ class Verdict(enum.StrEnum):
     OUTPUT = "output"  # a region output (reentrant: backward differentiates the recompute's)
     SAVED_COUNT = "saved tensor count"  # the recompute saved fewer tensors than the forward
     SIDE_EFFECT = "side effect"  # a tensor outside the region left changed by the recompute
+    # a reentrant region no input of which requires grad: never recomputed, its parameters
+    # get no gradient
+    NEVER_RECOMPUTED = "never recomputed"
 
 
 class Divergence(enum.StrEnum):

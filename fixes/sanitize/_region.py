@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from fixes.recompute import state as recompute_state
+from fixes.sanitize import _detect
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended, _opsite, _verdict
 from fixes.sanitize._callsite import describe_site
@@ -298,6 +299,16 @@ class Replay(_Side):
             return
         if finding is not None:
             _verdict.raise_for(finding, region, forward, self)
+        if region.detection is not None:
+            found, region.detection = region.detection, None
+            if found.declared or found.within_tolerance:
+                # the locator told the declared writes apart, or found a lowering: no error,
+                # and this region's like differences are accepted from now on
+                region.stats._tolerated.add((region.site[:1], region.position))
+                return
+            raise _detect.unlocated_error(
+                found, "the divergence did not recur on the next recompute of its call site, "
+                "where the op stream was recorded")
 
 
 def _storage_key(t) -> int | None:
@@ -335,6 +346,8 @@ class Region:
         # recompute context that restores state has restored it.
         self.judged_outside = False
         self.pending: Replay | None = None
+        # the detect tier's finding this region locates (``recompute_sanitizer``'s locator)
+        self.detection = None
 
     def name(self) -> str:
         return f"{self.label} ({self.kind}, checkpointed at {describe_site(self.site)})"
@@ -348,6 +361,7 @@ class Region:
         return self.forward
 
     def replay(self) -> Replay:
+        self.stats.recomputed(self.site)
         return Replay(self)
 
     def function(self, fn):

@@ -47,6 +47,7 @@ import contextlib
 import functools
 import importlib.util
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,6 +56,13 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
+from fixes.sanitize._detect import (
+    Detection,
+    Watch,
+    never_recomputed_error,
+    roots_of,
+    unlocated_error,
+)
 from fixes.sanitize._errors import (
     Divergence,
     RecomputeMismatchError,
@@ -104,13 +112,84 @@ class RecomputeSanitizer:
     lowerings_accepted: int = 0  # reentrant outputs compared within the lowering tolerance
     declared_ops: int = 0
     internal_errors: list[str] = field(default_factory=list)
+    detections: int = 0  # recomputes the detect tier found different
+    # writes of recomputes that ran a declared block, left unjudged (no locator ran)
+    declared_writes: int = 0
+    located: int = 0  # regions the locator recorded (values="all", after a detection)
+    # per call site: [position in the current round, a recompute ran since, rounds before]
+    _sites: dict = field(default_factory=dict, repr=False)
+    # (call site, position in its round) -> the detection its next region locates
+    _armed: dict = field(default_factory=dict, repr=False)
+    # (call site, position) whose within-tolerance difference the locator found a lowering
+    _tolerated: set = field(default_factory=set, repr=False)
 
     def _on(self) -> bool:
         return _slot.holds(self)
 
-    def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True) -> Region:
+    def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
+               roots: list | None = None) -> Watch | Region:
+        """The detect tier's ``Watch`` for a new region; the locator's ``Region`` (the op
+        stream) for one at the call site and round position of an earlier detection."""
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self, opaque, reentrant)
+        site = call_site()
+        key = site[:1]  # the line that checkpoints: its callers may differ from step to step
+        count = self._sites.get(key)
+        if count is None:
+            count = self._sites[key] = [0, False, 0]
+        if count[1]:  # a forward after a backward: a new round of this site's regions
+            count[0], count[1] = 0, False
+            count[2] += 1
+        position, rounds = count[0], count[2]
+        count[0] += 1
+        found = self._armed.pop((key, position), None) if self._armed else None
+        if found is not None:
+            self.located += 1
+            region = Region(kind, label, site, self, opaque, reentrant)
+            region.detection, region.position = found, position
+            return region
+        watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
+                      reentrant, self._printed(position, rounds), self._found)
+        watch.position = position
+        return watch
+
+    def recomputed(self, site) -> None:
+        count = self._sites.get(site[:1])
+        if count is not None:
+            count[1] = True
+
+    def _printed(self, position: int, rounds: int) -> bool:
+        """``all``: every region; ``sampled``: every ``sample_every``-th region of a call site's
+        round, the first one moving by one each round (a loop over a multiple of
+        ``sample_every`` layers has each layer printed within ``sample_every`` steps);
+        ``none``: none."""
+        if self.values == "all":
+            return True
+        if self.values == "none":
+            return False
+        return (position + rounds) % self.sample_every == 0
+
+    def _found(self, watch: Watch, found: Detection) -> None:
+        """A recompute the detect tier found different: ``all`` locates it on its call site's
+        next round; the other modes raise now, unlocated."""
+        key = (watch.site[:1], watch.position)
+        if found.within_tolerance and (self.values != "all" or key in self._tolerated):
+            # sampled / none: accepted unlocated; all: once the locator found it a lowering
+            self.lowerings_accepted += 1
+            return
+        if found.declared and (self.values != "all" or key in self._tolerated):
+            self.declared_writes += 1  # left to values="all"'s locator (see _detect)
+            return
+        if not (found.within_tolerance or found.declared):  # else provisional
+            self.detections += 1
+        if found.fatal:
+            raise unlocated_error(found, "torch's checkpoint (or autograd) fails on such a "
+                                  "recompute before a next one could locate it")
+        if self.values == "all":
+            self._armed[key] = found
+            return
+        raise unlocated_error(found, f"values={self.values!r} keeps no op stream; "
+                              "values='all' locates the first op that differs on the region's "
+                              "next recompute")
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -123,11 +202,13 @@ class RecomputeSanitizer:
             if not self._on() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return (yield from original(fn, *rest, **kwargs))
             caller = sys._getframe(1).f_globals.get("__name__", "")
+            roots = roots_of(fn, rest, kwargs)
             if caller.startswith("torch_remat"):
-                region = self.region("torch_remat", fn, opaque=True, reentrant=False)
+                region = self.region("torch_remat", fn, opaque=True, reentrant=False,
+                                     roots=roots)
             else:
                 region = self.region("torch.utils.checkpoint, non-reentrant", fn,
-                                     reentrant=False)
+                                     reentrant=False, roots=roots)
             entry = entry_frame(sys._getframe(1))
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
@@ -153,16 +234,26 @@ class RecomputeSanitizer:
 
     def wrap_function_forward(self, original, kind: str):
         def forward(ctx, run_function, *args):
-            if self._on() and not torch.compiler.is_compiling():
-                run_function = self.region(kind, run_function).function(run_function)
-            return original(ctx, run_function, *args)
+            outer_grad, _apply.grad = getattr(_apply, "grad", False), False
+            if not self._on() or torch.compiler.is_compiling():
+                return original(ctx, run_function, *args)
+            roots = roots_of(run_function, args)
+            region = self.region(kind, run_function, roots=roots)
+            out = original(ctx, region.function(run_function), *args)
+            if outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
+                                      for a in args):
+                error = never_recomputed_error(region.name(), roots)
+                if error is not None:
+                    raise error
+            return out
 
         return staticmethod(forward)
 
     def wrap_checkpoint_method(self, original, kind: str):
         def checkpoint(obj, run_function, *args):
             if self._on() and not torch.compiler.is_compiling():
-                run_function = self.region(kind, run_function).function(run_function)
+                run_function = self.region(kind, run_function, roots=roots_of(
+                    run_function, args)).function(run_function)
             return original(obj, run_function, *args)
 
         return checkpoint
@@ -200,6 +291,31 @@ class _Patch:
             setattr(self.owner, self.name, self.original)
 
 
+class _ApplyPatch:
+    """``cls.apply`` noting the caller's grad mode for ``wrap_function_forward`` (an
+    ``autograd.Function``'s forward runs with grad disabled); removed only if still ours."""
+
+    def __init__(self, cls):
+        self.cls, original = cls, cls.apply
+
+        def apply(*args, **kwargs):
+            _apply.grad = torch.is_grad_enabled()
+            return original(*args, **kwargs)
+
+        self.wrapper = apply
+        self.had = "apply" in cls.__dict__
+        self.original = cls.__dict__.get("apply")
+        cls.apply = apply
+
+    def undo(self) -> None:
+        if self.cls.__dict__.get("apply") is self.wrapper:
+            if self.had:
+                self.cls.apply = self.original
+            else:
+                del self.cls.apply
+
+
+_apply = threading.local()
 _slot = ActiveSlot("recompute_sanitizer()")
 
 
@@ -241,6 +357,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         cls = module.CheckpointFunction
         patches.append(_Patch(cls, "forward", lambda f: sanitizer.wrap_function_forward(
             f, "megatron-core tensor_parallel CheckpointFunction")))
+        patches.append(_ApplyPatch(cls))
         sanitizer.wrapped.append(f"{_MEGATRON}.CheckpointFunction.forward")
         if hasattr(module, "CheckpointWithoutOutput"):  # selective recompute (recompute_modules)
             patches.append(_Patch(module.CheckpointWithoutOutput, "checkpoint",
@@ -260,6 +377,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         patches.append(_Patch(torch_checkpoint.CheckpointFunction, "forward",
                               lambda f: sanitizer.wrap_function_forward(
                                   f, "torch.utils.checkpoint, reentrant")))
+        patches.append(_ApplyPatch(torch_checkpoint.CheckpointFunction))
         sanitizer.wrapped += ["torch.utils.checkpoint._checkpoint_without_reentrant_generator",
                               "torch.utils.checkpoint.CheckpointFunction.forward"]
         later = {}
@@ -273,6 +391,14 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
             hook = OnImport(later)
             sys.meta_path.insert(0, hook)
         yield sanitizer
+        for found in sanitizer._armed.values():  # detected; the region never ran again
+            if found.within_tolerance:
+                sanitizer.lowerings_accepted += 1
+            elif found.declared:
+                sanitizer.declared_writes += 1
+            else:
+                raise unlocated_error(found, "the program ran no further region at its call "
+                                      "site, where values='all' would have located it")
     finally:
         try:
             if hook is not None:
