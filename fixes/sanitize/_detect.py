@@ -414,15 +414,43 @@ class Watch:
             self._fail(exc)
 
     def _judge(self, tensors: list[torch.Tensor], state: _State | None, stopped: bool) -> None:
+        """Count and metadata now (host-side: a difference torch fails on is raised at once);
+        values and outside state queued, judged with every other recompute of this backward
+        after one synchronisation per device (``RecomputeSanitizer.defer``)."""
         try:
-            found = self._difference(tensors, state, stopped)
+            found, recompute = self._shape_difference(tensors, stopped)
         except Exception as exc:
             self._fail(exc)
             return
         if found is not None:
             self.found(self, found)
+            return
+        self.stats.defer(_Check(self, recompute, state))
 
-    def _difference(self, tensors, state, stopped) -> Detection | None:
+    def _shape_difference(self, tensors, stopped) -> tuple[Detection | None, _Side | None]:
+        forward = self.forward
+        what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
+        noun = "output" if self.reentrant else "saved tensor"
+        if self.reentrant:
+            self.stats.outputs_compared += len(tensors)
+        else:
+            self.stats.saved_compared += len(tensors)
+        n_f, n_r = len(forward.metas), len(tensors)
+        if n_r != n_f and (self.reentrant or (n_r < n_f and not stopped)):
+            verdict = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_COUNT
+            return Detection(self.name(), self.site, verdict, f"the {noun}s",
+                             f"the forward made {n_f} {noun}s, the recompute {n_r}",
+                             fatal=True), None
+        tensors = tensors[:n_f]
+        recompute = _side(tensors, self.printed, forward.loose is not None)
+        self.stats.fingerprints += len(tensors) if self.printed else 0
+        for i, (a, b) in enumerate(zip(forward.metas, recompute.metas, strict=False)):
+            if a != b:
+                return Detection(self.name(), self.site, what, f"{noun} #{i} of {n_f}",
+                                 f"forward {_meta(a)}, recompute {_meta(b)}", fatal=True), None
+        return None, recompute
+
+    def _value_difference(self, recompute: _Side, state: _State | None) -> Detection | None:
         forward = self.forward
         what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
         noun = "output" if self.reentrant else "saved tensor"
@@ -446,37 +474,18 @@ class Watch:
                              (" (the sanitizer gave it its contents back)"
                               if before is not None and not declared else "") + more,
                              declared=declared)
-        if self.reentrant:
-            self.stats.outputs_compared += len(tensors)
-        else:
-            self.stats.saved_compared += len(tensors)
-        n_f, n_r = len(forward.metas), len(tensors)
-        if n_r != n_f and (self.reentrant or (n_r < n_f and not stopped)):
-            verdict = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_COUNT
-            return Detection(self.name(), self.site, verdict, f"the {noun}s",
-                             f"the forward made {n_f} {noun}s, the recompute {n_r}", fatal=True)
-        tensors = tensors[:n_f]
-        recompute = _side(tensors, self.printed, forward.loose is not None)
-        self.stats.fingerprints += len(tensors) if self.printed else 0
-        for i, (a, b) in enumerate(zip(forward.metas, recompute.metas, strict=False)):
-            if a != b:
-                return Detection(self.name(), self.site, what, f"{noun} #{i} of {n_f}",
-                                 f"forward {_meta(a)}, recompute {_meta(b)}", fatal=True)
         if not self.printed:
             return None
-        # A tensor unreadable when one side ended (a parameter FSDP2 resharded, a storage a
-        # reclaim released) is compared by metadata only.
-        pairs = [(a, b) if a is not None and b is not None else (None, None)
-                 for a, b in zip(forward.prints, recompute.prints, strict=False)]
+        pairs = _pairs(forward.prints, recompute.prints)
         index = fp.first_different(pairs)
         within = False
         if index is not None and forward.loose is not None:
-            loose = [(a, b) if a is not None and b is not None else (None, None)
-                     for a, b in zip(forward.loose, recompute.loose, strict=False)]
+            loose = _pairs(forward.loose, recompute.loose)
             within = (beyond := fp.first_different(loose)) is None
             index = index if within else beyond
         if index is None:
             return None
+        n_f = len(forward.metas)
         return Detection(self.name(), self.site, what,
                          f"{noun} #{index} of {n_f} ({_meta(forward.metas[index])[1:-1]})",
                          f"other values: forward {fp.describe(pairs[index][0])}, recompute "
@@ -496,6 +505,66 @@ class Watch:
         warnings.warn(f"recompute_sanitizer could not check checkpointed region {self.name()} "
                       f"(its own failure, not the region's): {self.broken}; the region runs "
                       "unchecked", RecomputeSanitizerWarning, stacklevel=3)
+
+
+def _pairs(forward: list, recompute: list) -> list:
+    """Print pairs; a tensor unreadable when one side ended (a parameter FSDP2 resharded, a
+    storage a reclaim released) is compared by metadata only."""
+    return [(a, b) if a is not None and b is not None else (None, None)
+            for a, b in zip(forward, recompute, strict=False)]
+
+
+class _Check:
+    """One recompute's values and outside state, judged after the backward's one
+    synchronisation: ``flags()`` are 0-d device tensors, true where something may differ
+    (exact prints, small state); ``host_changed`` is known without a synchronisation (version
+    counters)."""
+
+    def __init__(self, watch: Watch, recompute: _Side, state: _State | None):
+        self.watch, self.recompute, self.state = watch, recompute, state
+
+    def host_changed(self) -> bool:
+        return self.state is not None and any(t._version != v for t, v in self.state.versions)
+
+    def flags(self) -> list[torch.Tensor]:
+        out = []
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            if self.state is not None:
+                for t, c in self.state.copies:
+                    if t.shape != c.shape or t.dtype != c.dtype:
+                        out.append(torch.tensor(True))
+                    else:
+                        out.append((fp.bits(t) != fp.bits(c)).any())
+            if self.watch.printed and self.watch.forward is not None:
+                a_all, b_all = [], []
+                for a, b in _pairs(self.watch.forward.prints, self.recompute.prints):
+                    if a is None:
+                        continue
+                    if a.shape() != b.shape() or a.device != b.device:
+                        out.append(torch.tensor(True))
+                        continue
+                    a_all += a.exact
+                    b_all += b.exact
+                    a_all += a.approx
+                    b_all += b.approx
+                by_device: dict = {}
+                for x, y in zip(a_all, b_all, strict=True):
+                    by_device.setdefault(x.device, ([], []))
+                    by_device[x.device][0].append(x)
+                    by_device[x.device][1].append(y)
+                for xs, ys in by_device.values():
+                    out.append((torch.stack(xs) != torch.stack(ys)).any())
+        return out
+
+    def finish(self) -> None:
+        watch = self.watch
+        try:
+            found = watch._value_difference(self.recompute, self.state)
+        except Exception as exc:
+            watch._fail(exc)
+            return
+        if found is not None:
+            watch.found(watch, found)
 
 
 class _Recording:

@@ -1,5 +1,6 @@
-"""One checkpointed region as ``recompute_sanitizer()`` sees it: its forward and each of its
-recomputes, each side recorded by a dispatch mode entered innermost inside the region (a
+"""The locator of ``recompute_sanitizer(values="all")``: one checkpointed region whose earlier
+round the detect tier (``_detect``) found different, recorded in full -- its forward and each of
+its recomputes, each side recorded by a dispatch mode entered innermost inside the region (a
 selective-AC mode, or torch_remat's, that serves saved outputs in the recompute sees the ops
 after this one, in the forward and the recompute alike).
 

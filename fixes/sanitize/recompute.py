@@ -11,11 +11,14 @@ an effectful op run a second time (torchtitan #4568 / #4673), an RNG state not r
 ``torch.utils.checkpoint(determinism_check="default")`` compares only shapes, dtypes and devices
 of the tensors the recompute saves, and nothing covers megatron-core's reentrant checkpoint.
 
-What is judged (``_verdict``): what backward uses -- the tensors the forward saved for backward
-against the recompute's (non-reentrant regions, matched as the checkpoint matches them), the
-region's outputs (reentrant regions, whose forward runs without grad and saves nothing), and
-the tensors outside the region a recompute leaves changed. Ops that differ while these are
-equal are no error. Intended differences are declared where they are made
+What is judged: what backward uses -- the tensors the forward saved for backward against the
+recompute's (non-reentrant regions, matched as the checkpoint matches them), the region's
+outputs (reentrant regions, whose forward runs without grad and saves nothing), and the tensors
+the region reaches that a recompute leaves changed. The detect tier (``_detect``) judges every
+region with no op intercepted; the op stream (``_region``, ``_verdict``) only locates: in
+``values="all"`` a detection arms it for the region's next round, whose error names the first
+diverging op and both call sites. Ops that differ while what backward uses is equal are no
+error. Intended differences are declared where they are made
 (``recompute_may_differ``, ``scratch_tensors``; megatron-core's no-grad aux loss and
 ``GlobalMemoryBuffer``, FSDP2's hooks and TransformerEngine's FP8 recompute are built in:
 ``_intended``).
@@ -33,12 +36,11 @@ implementation, so that every region is seen whoever calls it --
   ``CheckpointWithoutOutput.checkpoint`` (megatron's selective recompute), also when
   megatron-core is imported while the sanitizer is active.
 
-Values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that accumulates with
-atomics on CUDA (``_fingerprint``). Not seen: regions under ``torch.compile``, ops on other
-threads than the one that runs the region, state that is a Python value rather than a tensor
-(its effect on the recomputed values is seen), checkpoint implementations other than the ones
-above, and writes outside the region that no op dispatched makes (``UntypedStorage.resize_``,
-``.data =``).
+Values are compared bitwise, or within ``ATOMIC_RTOL`` where the exact prints differ on CUDA
+without deterministic algorithms or in a reentrant region's outputs (a lowering; in ``all``
+the locator decides). Not seen: regions under ``torch.compile``, state the region does not
+reach (``_detect``), state that is a Python value rather than a tensor (its effect on the
+recomputed values is seen), and checkpoint implementations other than the ones above.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class RecomputeSanitizer:
     _armed: dict = field(default_factory=dict, repr=False)
     # (call site, position) whose within-tolerance difference the locator found a lowering
     _tolerated: set = field(default_factory=set, repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
 
     def _on(self) -> bool:
         return _slot.holds(self)
@@ -151,6 +154,47 @@ class RecomputeSanitizer:
                       reentrant, self._printed(position, rounds), self._found)
         watch.position = position
         return watch
+
+    def defer(self, check) -> None:
+        """Judge ``check`` (a ``_detect._Check``) when this backward ends, with every other
+        recompute's, after one host synchronisation per device; at once outside backward."""
+        self._pending.append(check)
+        try:  # one callback per check: the first flushes all, the rest find nothing left (a
+            # backward that failed before its callbacks ran leaves its checks to the next)
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        except RuntimeError:  # not inside a backward
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flags: dict = {}
+        suspects: set[int] = set()
+        for i, check in enumerate(pending):
+            if check.host_changed():
+                suspects.add(i)
+            for flag in check.flags():
+                flags.setdefault(flag.device, []).append((i, flag))
+        for group in flags.values():  # the one synchronisation per device
+            bad = torch.stack([f for _, f in group]).tolist()
+            suspects.update(i for (i, _), b in zip(group, bad, strict=True) if b)
+        for i in sorted(suspects):  # the suspects judged in full (they synchronise again)
+            pending[i].finish()
+
+    def raise_pending(self) -> None:
+        """Judge what is queued, and raise a detection whose region never ran again (done on
+        exit; the pytest plugin calls it at the end of each test's call)."""
+        self._flush()
+        armed, self._armed = self._armed, {}
+        for found in armed.values():
+            if found.within_tolerance:
+                self.lowerings_accepted += 1
+            elif found.declared:
+                self.declared_writes += 1
+            else:
+                raise unlocated_error(found, "the program ran no further region at its call "
+                                      "site, where values='all' would have located it")
 
     def recomputed(self, site) -> None:
         count = self._sites.get(site[:1])
@@ -329,16 +373,17 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     the recompute first departs from its forward (op, position, both call sites). Not
     reentrant: RuntimeError if active.
 
-    ``values`` (a ``Values`` or its name): how much is fingerprinted, besides the metadata of
-    everything and the contents of outside tensors a recompute writes. ``"all"``:
-    every saved tensor, output and op of the op stream, so a difference in any of them is
-    caught and the error names the first op whose values differ. ``"sampled"``: the outputs,
-    every ``sample_every``-th saved tensor and op, each side's last saved tensor and op, and
-    the op next to each fingerprinted saved tensor -- a difference that reaches the last saved
-    tensor or an output is still caught, and the error names the interval of ops it arose in.
-    ``"none"``: no fingerprint kernels and no op stream: metadata and writes outside the
-    regions, and an error that names what differs (and a write's own site) but not where
-    the recompute departs. ValueError for anything else."""
+    ``values`` (a ``Values`` or its name): which regions are fingerprinted, besides the count
+    and metadata of what backward uses and the state the regions reach, checked in every
+    region. ``"all"``: every region; a difference arms the locator for the region's next
+    round (the next step), whose error names the first op that differs and both call sites;
+    one that does not recur there, or a region not run again before exit, is raised
+    unlocated. ``"sampled"``: every ``sample_every``-th region of a call site, rotating each
+    round; ``"none"``: none. Both raise unlocated at the end of the backward that found it.
+    A count or metadata difference (torch itself fails on it) is raised at once, unlocated.
+    A reentrant region entered with grad whose inputs none require grad, reaching trainable
+    parameters, raises when its forward ends (never recomputed). ValueError for anything
+    else."""
     if isinstance(values, Values):
         values = values.value
     if not isinstance(values, str) or values not in VALUES:
@@ -391,14 +436,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
             hook = OnImport(later)
             sys.meta_path.insert(0, hook)
         yield sanitizer
-        for found in sanitizer._armed.values():  # detected; the region never ran again
-            if found.within_tolerance:
-                sanitizer.lowerings_accepted += 1
-            elif found.declared:
-                sanitizer.declared_writes += 1
-            else:
-                raise unlocated_error(found, "the program ran no further region at its call "
-                                      "site, where values='all' would have located it")
+        sanitizer.raise_pending()
     finally:
         try:
             if hook is not None:
