@@ -3,13 +3,14 @@ GPT -- optionally with megatron's aux loss and z-loss on -- and GPT+MTP; full re
 selective recompute of the MoE layer and core attention; world size 1): no false positive,
 and its step-time cost.
 
-One child interpreter per (model, device): build, the model's first step under the sanitizer,
-then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA within
-what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved (none, full,
-sampled, metadata-only, and the interception floor -- the sanitizer's dispatch mode passing every
-op through, ``_interception_floor``; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``:
-regions and ops compared, the gradient distances, per mode the median step time and the median of the
-step-by-step ratios, each with every step (``*_repeats``).
+One child interpreter per (model, device): build, the model's first two steps under the
+sanitizer (the detect tier; the locator would run in the second only after a detection in the
+first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
+within what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved
+(none, all, sampled, metadata-only, and the sanitizer entered with no region watched,
+``_entered_no_region``; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``: regions,
+tensors compared, detections, the gradient distances, per mode the median step time and the
+median of the step-by-step ratios, each with every step (``*_repeats``).
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
@@ -33,35 +34,21 @@ import time
 
 from benchmarks._spread import interleaved, ratios_to
 
-# mode name -> recompute_sanitizer(values=...); "recompute-floor": its interception alone
+# mode name -> recompute_sanitizer(values=...); "recompute-entered": entered, no region run
 MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
-         "recompute-metadata": "none", "recompute-floor": "floor"}
+         "recompute-metadata": "none", "recompute-entered": "entered"}
 
 
 @contextlib.contextmanager
-def _interception_floor():
-    """``recompute_sanitizer(values="none")`` with every op passed straight through its
-    dispatch mode (no op classified, recorded or fingerprinted; the region bookkeeping at each
-    side's start and end -- saved-tensor metadata, outputs, the verdict -- still runs): what
-    intercepting the regions' ops costs before the sanitizer does anything with them, the floor
-    under every mode on this host. Benchmark-only; put back on exit."""
-    import torch
+def _entered_no_region():
+    """``recompute_sanitizer()`` entered (every checkpoint entry wrapped) with its regions
+    passed straight to the checkpoint: what being entered costs a step before any region is
+    watched. Benchmark-only."""
+    from fixes.sanitize import recompute_sanitizer
 
-    from fixes.sanitize import _region, recompute_sanitizer
-
-    mode_class = _region._SideMode
-    own = mode_class.__dict__["__torch_dispatch__"]
-
-    def passed_through(self, func, types_, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-    # wrapped as TorchDispatchMode wraps the sanitizer's own (torch._disable_dynamo)
-    mode_class.__torch_dispatch__ = torch._disable_dynamo(passed_through, recursive=True)
-    try:
-        with recompute_sanitizer(values="none"):
-            yield
-    finally:
-        mode_class.__torch_dispatch__ = own
+    with recompute_sanitizer() as sanitizer:
+        sanitizer._on = lambda: False  # the wrappers call the checkpoint as if not entered
+        yield sanitizer
 
 
 def _mode(name: str):
@@ -69,8 +56,8 @@ def _mode(name: str):
 
     if MODES[name] is None:
         return contextlib.nullcontext()
-    if MODES[name] == "floor":
-        return _interception_floor()
+    if MODES[name] == "entered":
+        return _entered_no_region()
     return recompute_sanitizer(values=MODES[name])
 
 
@@ -109,18 +96,21 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     def distance(a, b):
         return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
 
-    # The model's first step runs sanitized: its forward allocates megatron's scratch buffers
+    # The model's first steps run sanitized: its forward allocates megatron's scratch buffers
     # (GlobalMemoryBuffer), which its recompute then reuses (a false positive before allocations
-    # were left out of the comparison).
+    # were left out of the comparison); a second step is where the locator would name what the
+    # detect tier found in the first.
     with _mode("recompute") as sanitizer:
         sanitized = step()
+        step()
     reference = step()
     noise = distance(step(), reference)
     result = {"model": model, "device": device, "hidden": hidden, "seq": seq, "dtype": dtype,
               "aux_loss": aux_loss, "recompute": recompute, "clock": clock,
               "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
-              "ops_compared": sanitizer.ops_compared,
-              "fingerprints": sanitizer.fingerprints,  # op-stream prints, both sides
+              "ops_compared": sanitizer.ops_compared,  # the locator's (0: nothing detected)
+              "detections": sanitizer.detections, "located": sanitizer.located,
+              "fingerprints": sanitizer.fingerprints,  # detect-tier prints, both sides
               "saved_compared": sanitizer.saved_compared,
               "outputs_compared": sanitizer.outputs_compared,
               "declared_ops": sanitizer.declared_ops, "grad_noise": noise,
@@ -147,7 +137,7 @@ def _profile(step, path: str) -> None:
     """One sanitized step per mode under cProfile: the host functions by own time."""
     out = io.StringIO()
     for name in MODES:
-        if MODES[name] in (None, "floor"):
+        if MODES[name] in (None, "entered"):
             continue
         profiler = cProfile.Profile()
         with _mode(name):

@@ -21,12 +21,10 @@ pytestmark = pytest.mark.cpu
 pytest_plugins = ("pytester",)
 README = Path(__file__).parent.parent / "README.md"
 PLUGINS = ("fixes.testing.pytest_plugin", "fixes.sanitize.pytest_plugin")
-# No flag and every sanitizer; with STACKFIX_RECIPE_EVERY_FLAG=1 also the bare flag and
-# recompute's cheaper modes (about 4 s a session: kept out of the default CPU run).
-EVERY_FLAG = os.environ.get("STACKFIX_RECIPE_EVERY_FLAG") == "1"
+# No flag and every sanitizer here; the bare flag and recompute's cheaper modes (about 4 s a
+# session) run with the deep tests (pytest -m deep, tox -e deep).
 FLAGS = ((), ("--stackfix-sanitize=storage,mesh,recompute",), *[
-    pytest.param(flag, marks=pytest.mark.skipif(not EVERY_FLAG,
-                                                reason="STACKFIX_RECIPE_EVERY_FLAG is not 1"))
+    pytest.param(flag, marks=pytest.mark.deep)
     for flag in (("--stackfix-sanitize",), ("--stackfix-sanitize=storage,mesh,recompute:sampled",),
                  ("--stackfix-sanitize=storage,mesh,recompute:none",))])
 

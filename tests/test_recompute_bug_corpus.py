@@ -4,9 +4,10 @@ checkpointing). One contract over the whole corpus:
 
 * the buggy step really diverges from the reference (gradients or the state the report is
   about), so that nothing below passes vacuously;
-* under ``recompute_sanitizer(values="all")`` the buggy step raises ``RecomputeMismatchError``
-  naming a site on the line the report's recompute departs at -- or, if it does not raise,
-  that run did not diverge;
+* under ``recompute_sanitizer(values="all")`` the buggy step, run twice, raises
+  ``RecomputeMismatchError`` naming a site on the line the report's recompute departs at (the
+  detect tier finds it in the first step, the locator names it in the second) -- or, if it
+  does not raise, that run did not diverge;
 * the fixed step raises nothing in any values mode, and equals the reference bit for bit.
 
 ``test_corpus_census`` counts, per mode, the diverging runs caught, the fixed runs raised on and
@@ -49,10 +50,14 @@ def _names_a_marked_line(error: RecomputeMismatchError, bug) -> bool:
 
 
 def _sanitized(bug, variant: Variant, mode: str):
-    """(error or None, result or None) of one sanitized step."""
+    """(error or None, result or None) of two sanitized steps (the detect tier finds a
+    divergence in the first; ``values="all"`` locates it in the second), the result the
+    first's."""
     try:
         with recompute_sanitizer(values=mode):
-            return None, bug.step(variant)
+            result = bug.step(variant)
+            bug.step(variant)
+            return None, result
     except RecomputeMismatchError as error:
         return error, None
 

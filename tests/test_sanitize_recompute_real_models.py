@@ -45,12 +45,15 @@ def sanitized_runs(step):
         try:
             with recompute_sanitizer(values=values) as s:
                 got = step()
+                step()  # where the locator would name a detection of the first
         except RecomputeMismatchError as e:
             result[values] = {"raised": str(e)[:2000]}
             continue
         result[values] = {"raised": None, "equal": same(reference, got), "regions": s.regions,
-                          "recomputes": s.recomputes, "declared_ops": s.declared_ops,
-                          "scratch_writes": s.scratch_writes, "errors": s.internal_errors}
+                          "recomputes": s.recomputes, "detections": s.detections,
+                          "located": s.located,
+                          "compared": s.saved_compared + s.outputs_compared,
+                          "errors": s.internal_errors}
     print("RESULT " + json.dumps(result), flush=True)
 '''
 
@@ -190,6 +193,8 @@ def _assert_silent(result: dict, min_regions: int) -> None:
         assert run["equal"], f"values={mode!r} changed the gradients"
         assert not run["errors"], run["errors"]
         assert run["regions"] >= min_regions and run["recomputes"] >= run["regions"], run
+        # the detect tier itself found nothing (the locator never ran) and compared something
+        assert run["detections"] == run["located"] == 0 and run["compared"] > 0, run
 
 
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
@@ -200,8 +205,6 @@ def test_megatron_moe_gpt_with_the_aux_loss_on(recompute):
     assert r.returncode == 0, r.stderr[-4000:]
     result = _result(r.stdout)
     _assert_silent(result, min_regions=2)
-    if recompute == "full":  # the aux-loss ops: run in the recompute only, declared
-        assert all(result[m]["declared_ops"] > 0 for m in MODES), result
 
 
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
@@ -211,7 +214,6 @@ def test_megatron_sequence_parallel_all_gather_into_the_global_memory_buffer():
     assert r.returncode == 0, r.stderr[-4000:]
     result = _result(r.stdout)
     _assert_silent(result, min_regions=1)
-    assert all(result[m]["scratch_writes"] > 0 for m in MODES), result  # seen, and scratch
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -223,4 +225,3 @@ def test_fsdp2_blocks_inside_checkpointed_regions(kind, precision):
         assert r.returncode == 0, f"rank {rank}: {r.stderr[-4000:]}"
         result = _result(r.stdout)
         _assert_silent(result, min_regions=3)
-        assert all(result[m]["declared_ops"] > 0 for m in MODES), result  # FSDP2's hooks

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import enum
 
+from torch.utils.checkpoint import CheckpointError
+
 
 class Verdict(enum.StrEnum):
     """What backward would use that the recompute made differently from the forward."""
@@ -13,6 +15,9 @@ class Verdict(enum.StrEnum):
     OUTPUT = "output"  # a region output (reentrant: backward differentiates the recompute's)
     SAVED_COUNT = "saved tensor count"  # the recompute saved fewer tensors than the forward
     SIDE_EFFECT = "side effect"  # a tensor outside the region left changed by the recompute
+    # a reentrant region no input of which requires grad: never recomputed, its parameters
+    # get no gradient
+    NEVER_RECOMPUTED = "never recomputed"
 
 
 class Divergence(enum.StrEnum):
@@ -26,9 +31,11 @@ class Divergence(enum.StrEnum):
     UNLOCATED = "not located"  # the op streams agree where they were compared
 
 
-class RecomputeMismatchError(RuntimeError):
+class RecomputeMismatchError(CheckpointError):
     """A checkpointed region's recompute computed something else than its forward, where
-    backward would use it. ``verdict`` (a ``Verdict``) says what differs, ``item`` which one;
+    backward would use it. A ``torch.utils.checkpoint.CheckpointError`` (a RuntimeError): it
+    comes where torch's own determinism check would raise for a recompute that saves other
+    tensors, and a user's ``except CheckpointError`` catches it. ``verdict`` (a ``Verdict``) says what differs, ``item`` which one;
     ``what`` (a ``Divergence``) where the recompute first departs from its forward, at op
     ``position`` of the recompute's op stream (of the forward's, for an op only the forward
     ran), op ``op``; the sites are ``file:line in function`` tuples, innermost first, empty

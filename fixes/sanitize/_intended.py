@@ -79,6 +79,12 @@ def current() -> Declaration | None:
     return stack[-1] if stack else None
 
 
+def entered() -> int:
+    """How many declared blocks this thread has entered (the detect tier asks whether a
+    recompute ran one: it cannot tell their writes from the region's)."""
+    return getattr(_local, "entered", 0)
+
+
 class recompute_may_differ(contextlib.ContextDecorator):  # noqa: N801 - used as a function
     """Declare that the code inside (a ``with`` block, or a decorated function) may run or
     write differently in a checkpointed region's recompute than in its forward, and why.
@@ -105,6 +111,7 @@ class recompute_may_differ(contextlib.ContextDecorator):  # noqa: N801 - used as
 
     def __enter__(self):
         _local.__dict__.setdefault("stack", []).append(self.declaration)
+        _local.entered = getattr(_local, "entered", 0) + 1
         return self.declaration
 
     def __exit__(self, *exc):

@@ -8,10 +8,10 @@ import enum
 class Values(enum.StrEnum):
     """How much of the values ``recompute_sanitizer()`` fingerprints."""
 
-    ALL = "all"  # every op of the op stream, every saved tensor, every output
-    SAMPLED = "sampled"  # every n-th op and saved tensor, each side's last, every output
-    # no fingerprint kernels and no op stream: the metadata of what backward uses and the
-    # writes outside the region only; an error is not located (``all`` locates it)
+    ALL = "all"  # every region fingerprinted; a detection located on the region's next round
+    SAMPLED = "sampled"  # every n-th region of a call site, rotating; raised unlocated
+    # no fingerprint kernels: the count and metadata of what backward uses and the state the
+    # regions reach only; raised unlocated (``all`` locates it)
     NONE = "none"
 
 

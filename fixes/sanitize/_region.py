@@ -1,5 +1,6 @@
-"""One checkpointed region as ``recompute_sanitizer()`` sees it: its forward and each of its
-recomputes, each side recorded by a dispatch mode entered innermost inside the region (a
+"""The locator of ``recompute_sanitizer(values="all")``: one checkpointed region whose earlier
+round the detect tier (``_detect``) found different, recorded in full -- its forward and each of
+its recomputes, each side recorded by a dispatch mode entered innermost inside the region (a
 selective-AC mode, or torch_remat's, that serves saved outputs in the recompute sees the ops
 after this one, in the forward and the recompute alike).
 
@@ -35,6 +36,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from fixes.recompute import state as recompute_state
+from fixes.sanitize import _detect
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended, _opsite, _verdict
 from fixes.sanitize._callsite import describe_site
@@ -298,6 +300,16 @@ class Replay(_Side):
             return
         if finding is not None:
             _verdict.raise_for(finding, region, forward, self)
+        if region.detection is not None:
+            found, region.detection = region.detection, None
+            if found.declared or found.within_tolerance:
+                # the locator told the declared writes apart, or found a lowering: no error,
+                # and this region's like differences are accepted from now on
+                region.stats._tolerated.add((region.site[:1], region.position))
+                return
+            raise _detect.unlocated_error(
+                found, "the divergence did not recur on the next recompute of its call site, "
+                "where the op stream was recorded")
 
 
 def _storage_key(t) -> int | None:
@@ -335,6 +347,8 @@ class Region:
         # recompute context that restores state has restored it.
         self.judged_outside = False
         self.pending: Replay | None = None
+        # the detect tier's finding this region locates (``recompute_sanitizer``'s locator)
+        self.detection = None
 
     def name(self) -> str:
         return f"{self.label} ({self.kind}, checkpointed at {describe_site(self.site)})"
@@ -348,6 +362,7 @@ class Region:
         return self.forward
 
     def replay(self) -> Replay:
+        self.stats.recomputed(self.site)
         return Replay(self)
 
     def function(self, fn):
@@ -392,7 +407,13 @@ class Region:
             if replay is not None:
                 replay.judge()
             if stop is not None:
-                raise stop
+                # The early stop re-raised without its own frame keeping it: a local that
+                # holds the exception whose traceback holds this frame is a cycle, and the
+                # stopped recompute's graph and tensors would wait for the cycle collector.
+                try:
+                    raise stop
+                finally:
+                    stop = replay = None
 
         judged_recompute.__wrapped__ = recompute_fn
         return judged_recompute

@@ -30,6 +30,7 @@ MARKER = "no_stackfix_sanitize"
 MARKER_HELP = (f"{MARKER}: the test enters fixes.sanitize's sanitizers itself, so "
                f"{OPTION} does not wrap it")
 _MESH_KEY = pytest.StashKey[str | None]()  # None: mesh sanitizer on; else why it is off
+_RECOMPUTE_KEY = pytest.StashKey[object]()  # the recompute_sanitizer entered around the test
 
 
 def _sanitizers(value: str | None) -> dict[str, str | None]:
@@ -63,8 +64,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "UntypedStorage.resize_ released raises ReleasedStorageError), mesh, where spmd_types "
         "imports (no spmd mesh in checkpoint recompute raises MeshLostError), recompute (a "
         "checkpoint recompute that computes what backward uses differently from its forward "
-        "raises RecomputeMismatchError; recompute:sampled fingerprints every 8th op and saved "
-        "tensor, recompute:none compares metadata and writes outside the region only). "
+        "raises RecomputeMismatchError; recompute:sampled fingerprints every 8th region of a "
+        "call site, recompute:none compares metadata and the state regions reach only). "
         "Without a value: storage,mesh",
     )
 
@@ -127,8 +128,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             for name in SANITIZERS:
                 if name in names and (name != "mesh" or item.config.stash[_MESH_KEY] is None):
                     kwargs = {"values": names[name]} if name == "recompute" else {}
-                    stack.enter_context(getattr(sanitize, f"{name}_sanitizer")(**kwargs))
-        return (yield)
+                    entered = stack.enter_context(getattr(sanitize, f"{name}_sanitizer")(**kwargs))
+                    if name == "recompute":
+                        item.stash[_RECOMPUTE_KEY] = entered
+        try:
+            return (yield)
+        finally:
+            item.stash[_RECOMPUTE_KEY] = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    # A detection of the test's last step is raised on the sanitizer's exit, which is after
+    # the report here: raised at the end of the call instead, as the test's failure.
+    result = yield
+    sanitizer = item.stash.get(_RECOMPUTE_KEY, None)
+    if sanitizer is not None:
+        sanitizer.raise_pending()
+    return result
 
 
 @pytest.hookimpl(wrapper=True)

@@ -11,11 +11,14 @@ an effectful op run a second time (torchtitan #4568 / #4673), an RNG state not r
 ``torch.utils.checkpoint(determinism_check="default")`` compares only shapes, dtypes and devices
 of the tensors the recompute saves, and nothing covers megatron-core's reentrant checkpoint.
 
-What is judged (``_verdict``): what backward uses -- the tensors the forward saved for backward
-against the recompute's (non-reentrant regions, matched as the checkpoint matches them), the
-region's outputs (reentrant regions, whose forward runs without grad and saves nothing), and
-the tensors outside the region a recompute leaves changed. Ops that differ while these are
-equal are no error. Intended differences are declared where they are made
+What is judged: what backward uses -- the tensors the forward saved for backward against the
+recompute's (non-reentrant regions, matched as the checkpoint matches them), the region's
+outputs (reentrant regions, whose forward runs without grad and saves nothing), and the tensors
+the region reaches that a recompute leaves changed. The detect tier (``_detect``) judges every
+region with no op intercepted; the op stream (``_region``, ``_verdict``) only locates: in
+``values="all"`` a detection arms it for the region's next round, whose error names the first
+diverging op and both call sites. Ops that differ while what backward uses is equal are no
+error. Intended differences are declared where they are made
 (``recompute_may_differ``, ``scratch_tensors``; megatron-core's no-grad aux loss and
 ``GlobalMemoryBuffer``, FSDP2's hooks and TransformerEngine's FP8 recompute are built in:
 ``_intended``).
@@ -33,12 +36,11 @@ implementation, so that every region is seen whoever calls it --
   ``CheckpointWithoutOutput.checkpoint`` (megatron's selective recompute), also when
   megatron-core is imported while the sanitizer is active.
 
-Values are compared bitwise, or within ``ATOMIC_RTOL`` from the first op that accumulates with
-atomics on CUDA (``_fingerprint``). Not seen: regions under ``torch.compile``, ops on other
-threads than the one that runs the region, state that is a Python value rather than a tensor
-(its effect on the recomputed values is seen), checkpoint implementations other than the ones
-above, and writes outside the region that no op dispatched makes (``UntypedStorage.resize_``,
-``.data =``).
+Values are compared bitwise, or within ``ATOMIC_RTOL`` where the exact prints differ on CUDA
+without deterministic algorithms or in a reentrant region's outputs (a lowering; in ``all``
+the locator decides). Not seen: regions under ``torch.compile``, state the region does not
+reach (``_detect``), state that is a Python value rather than a tensor (its effect on the
+recomputed values is seen), and checkpoint implementations other than the ones above.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import contextlib
 import functools
 import importlib.util
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,6 +58,13 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
+from fixes.sanitize._detect import (
+    Detection,
+    Watch,
+    never_recomputed_error,
+    roots_of,
+    unlocated_error,
+)
 from fixes.sanitize._errors import (
     Divergence,
     RecomputeMismatchError,
@@ -104,13 +114,126 @@ class RecomputeSanitizer:
     lowerings_accepted: int = 0  # reentrant outputs compared within the lowering tolerance
     declared_ops: int = 0
     internal_errors: list[str] = field(default_factory=list)
+    detections: int = 0  # recomputes the detect tier found different
+    # writes of recomputes that ran a declared block, left unjudged (no locator ran)
+    declared_writes: int = 0
+    located: int = 0  # regions the locator recorded (values="all", after a detection)
+    # per call site: [position in the current round, a recompute ran since, rounds before]
+    _sites: dict = field(default_factory=dict, repr=False)
+    # (call site, position in its round) -> the detection its next region locates
+    _armed: dict = field(default_factory=dict, repr=False)
+    # (call site, position) whose within-tolerance difference the locator found a lowering
+    _tolerated: set = field(default_factory=set, repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
 
     def _on(self) -> bool:
         return _slot.holds(self)
 
-    def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True) -> Region:
+    def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
+               roots: list | None = None) -> Watch | Region:
+        """The detect tier's ``Watch`` for a new region; the locator's ``Region`` (the op
+        stream) for one at the call site and round position of an earlier detection."""
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return Region(kind, label, call_site(), self, opaque, reentrant)
+        site = call_site()
+        key = site[:1]  # the line that checkpoints: its callers may differ from step to step
+        count = self._sites.get(key)
+        if count is None:
+            count = self._sites[key] = [0, False, 0]
+        if count[1]:  # a forward after a backward: a new round of this site's regions
+            count[0], count[1] = 0, False
+            count[2] += 1
+        position, rounds = count[0], count[2]
+        count[0] += 1
+        found = self._armed.pop((key, position), None) if self._armed else None
+        if found is not None:
+            self.located += 1
+            region = Region(kind, label, site, self, opaque, reentrant)
+            region.detection, region.position = found, position
+            return region
+        watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
+                      reentrant, self._printed(position, rounds), self._found)
+        watch.position = position
+        return watch
+
+    def defer(self, check) -> None:
+        """Judge ``check`` (a ``_detect._Check``) when this backward ends, with every other
+        recompute's, after one host synchronisation per device; at once outside backward."""
+        self._pending.append(check)
+        try:  # one callback per check: the first flushes all, the rest find nothing left (a
+            # backward that failed before its callbacks ran leaves its checks to the next)
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        except RuntimeError:  # not inside a backward
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flags: dict = {}
+        suspects: set[int] = set()
+        for i, check in enumerate(pending):
+            if check.host_changed():
+                suspects.add(i)
+            for flag in check.flags():
+                flags.setdefault(flag.device, []).append((i, flag))
+        for group in flags.values():  # the one synchronisation per device
+            bad = torch.stack([f for _, f in group]).tolist()
+            suspects.update(i for (i, _), b in zip(group, bad, strict=True) if b)
+        for i in sorted(suspects):  # the suspects judged in full (they synchronise again)
+            pending[i].finish()
+
+    def raise_pending(self) -> None:
+        """Judge what is queued, and raise a detection whose region never ran again (done on
+        exit; the pytest plugin calls it at the end of each test's call)."""
+        self._flush()
+        armed, self._armed = self._armed, {}
+        for found in armed.values():
+            if found.within_tolerance:
+                self.lowerings_accepted += 1
+            elif found.declared:
+                self.declared_writes += 1
+            else:
+                raise unlocated_error(found, "the program ran no further region at its call "
+                                      "site, where values='all' would have located it")
+
+    def recomputed(self, site) -> None:
+        count = self._sites.get(site[:1])
+        if count is not None:
+            count[1] = True
+
+    def _printed(self, position: int, rounds: int) -> bool:
+        """``all``: every region; ``sampled``: every ``sample_every``-th region of a call site's
+        round, the first one moving by one each round (a loop over a multiple of
+        ``sample_every`` layers has each layer printed within ``sample_every`` steps);
+        ``none``: none."""
+        if self.values == "all":
+            return True
+        if self.values == "none":
+            return False
+        return (position + rounds) % self.sample_every == 0
+
+    def _found(self, watch: Watch, found: Detection) -> None:
+        """A recompute the detect tier found different: ``all`` locates it on its call site's
+        next round; the other modes raise now, unlocated."""
+        key = (watch.site[:1], watch.position)
+        if found.within_tolerance and (self.values != "all" or key in self._tolerated):
+            # sampled / none: accepted unlocated; all: once the locator found it a lowering
+            self.lowerings_accepted += 1
+            return
+        if found.declared and (self.values != "all" or key in self._tolerated):
+            self.declared_writes += 1  # left to values="all"'s locator (see _detect)
+            return
+        if not (found.within_tolerance or found.declared):  # else provisional
+            self.detections += 1
+        if found.fatal:
+            raise unlocated_error(found, "torch's checkpoint (or autograd) fails on such a "
+                                  "recompute before a next one could locate it")
+        if self.values == "all":
+            self._armed[key] = found
+            return
+        raise unlocated_error(found, f"values={self.values!r} keeps no op stream; "
+                              "values='all' locates the first op that differs on the region's "
+                              "next recompute")
 
     # -- the wrappers ---------------------------------------------------------------------------
 
@@ -123,11 +246,13 @@ class RecomputeSanitizer:
             if not self._on() or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return (yield from original(fn, *rest, **kwargs))
             caller = sys._getframe(1).f_globals.get("__name__", "")
+            roots = roots_of(fn, rest, kwargs)
             if caller.startswith("torch_remat"):
-                region = self.region("torch_remat", fn, opaque=True, reentrant=False)
+                region = self.region("torch_remat", fn, opaque=True, reentrant=False,
+                                     roots=roots)
             else:
                 region = self.region("torch.utils.checkpoint, non-reentrant", fn,
-                                     reentrant=False)
+                                     reentrant=False, roots=roots)
             entry = entry_frame(sys._getframe(1))
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
@@ -153,16 +278,26 @@ class RecomputeSanitizer:
 
     def wrap_function_forward(self, original, kind: str):
         def forward(ctx, run_function, *args):
-            if self._on() and not torch.compiler.is_compiling():
-                run_function = self.region(kind, run_function).function(run_function)
-            return original(ctx, run_function, *args)
+            outer_grad, _apply.grad = getattr(_apply, "grad", False), False
+            if not self._on() or torch.compiler.is_compiling():
+                return original(ctx, run_function, *args)
+            roots = roots_of(run_function, args)
+            region = self.region(kind, run_function, roots=roots)
+            out = original(ctx, region.function(run_function), *args)
+            if outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
+                                      for a in args):
+                error = never_recomputed_error(region.name(), roots)
+                if error is not None:
+                    raise error
+            return out
 
         return staticmethod(forward)
 
     def wrap_checkpoint_method(self, original, kind: str):
         def checkpoint(obj, run_function, *args):
             if self._on() and not torch.compiler.is_compiling():
-                run_function = self.region(kind, run_function).function(run_function)
+                run_function = self.region(kind, run_function, roots=roots_of(
+                    run_function, args)).function(run_function)
             return original(obj, run_function, *args)
 
         return checkpoint
@@ -200,6 +335,31 @@ class _Patch:
             setattr(self.owner, self.name, self.original)
 
 
+class _ApplyPatch:
+    """``cls.apply`` noting the caller's grad mode for ``wrap_function_forward`` (an
+    ``autograd.Function``'s forward runs with grad disabled); removed only if still ours."""
+
+    def __init__(self, cls):
+        self.cls, original = cls, cls.apply
+
+        def apply(*args, **kwargs):
+            _apply.grad = torch.is_grad_enabled()
+            return original(*args, **kwargs)
+
+        self.wrapper = apply
+        self.had = "apply" in cls.__dict__
+        self.original = cls.__dict__.get("apply")
+        cls.apply = apply
+
+    def undo(self) -> None:
+        if self.cls.__dict__.get("apply") is self.wrapper:
+            if self.had:
+                self.cls.apply = self.original
+            else:
+                del self.cls.apply
+
+
+_apply = threading.local()
 _slot = ActiveSlot("recompute_sanitizer()")
 
 
@@ -214,16 +374,17 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     reentrant: RuntimeError if active (a test's own entry with the pytest plugin's arguments
     joins the plugin's, as ``storage_sanitizer()``'s does).
 
-    ``values`` (a ``Values`` or its name): how much is fingerprinted, besides the metadata of
-    everything and the contents of outside tensors a recompute writes. ``"all"``:
-    every saved tensor, output and op of the op stream, so a difference in any of them is
-    caught and the error names the first op whose values differ. ``"sampled"``: the outputs,
-    every ``sample_every``-th saved tensor and op, each side's last saved tensor and op, and
-    the op next to each fingerprinted saved tensor -- a difference that reaches the last saved
-    tensor or an output is still caught, and the error names the interval of ops it arose in.
-    ``"none"``: no fingerprint kernels and no op stream: metadata and writes outside the
-    regions, and an error that names what differs (and a write's own site) but not where
-    the recompute departs. ValueError for anything else."""
+    ``values`` (a ``Values`` or its name): which regions are fingerprinted, besides the count
+    and metadata of what backward uses and the state the regions reach, checked in every
+    region. ``"all"``: every region; a difference arms the locator for the region's next
+    round (the next step), whose error names the first op that differs and both call sites;
+    one that does not recur there, or a region not run again before exit, is raised
+    unlocated. ``"sampled"``: every ``sample_every``-th region of a call site, rotating each
+    round; ``"none"``: none. Both raise unlocated at the end of the backward that found it.
+    A count or metadata difference (torch itself fails on it) is raised at once, unlocated.
+    A reentrant region entered with grad whose inputs none require grad, reaching trainable
+    parameters, raises when its forward ends (never recomputed). ValueError for anything
+    else."""
     if isinstance(values, Values):
         values = values.value
     if not isinstance(values, str) or values not in VALUES:
@@ -247,6 +408,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         cls = module.CheckpointFunction
         patches.append(_Patch(cls, "forward", lambda f: sanitizer.wrap_function_forward(
             f, "megatron-core tensor_parallel CheckpointFunction")))
+        patches.append(_ApplyPatch(cls))
         sanitizer.wrapped.append(f"{_MEGATRON}.CheckpointFunction.forward")
         if hasattr(module, "CheckpointWithoutOutput"):  # selective recompute (recompute_modules)
             patches.append(_Patch(module.CheckpointWithoutOutput, "checkpoint",
@@ -266,6 +428,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         patches.append(_Patch(torch_checkpoint.CheckpointFunction, "forward",
                               lambda f: sanitizer.wrap_function_forward(
                                   f, "torch.utils.checkpoint, reentrant")))
+        patches.append(_ApplyPatch(torch_checkpoint.CheckpointFunction))
         sanitizer.wrapped += ["torch.utils.checkpoint._checkpoint_without_reentrant_generator",
                               "torch.utils.checkpoint.CheckpointFunction.forward"]
         later = {}
@@ -279,6 +442,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
             hook = OnImport(later)
             sys.meta_path.insert(0, hook)
         yield sanitizer
+        sanitizer.raise_pending()
     finally:
         try:
             if hook is not None:
