@@ -145,17 +145,17 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *(Step(f"bench-gpu-megatron-{model}", [
                 *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", select,
                 "-p", "no:xdist", "-q", f"--benchmark-json={o(f'bench-gpu-megatron-{model}.json')}"],
-                480, json=f"bench-gpu-megatron-{model}.json")
+                420, json=f"bench-gpu-megatron-{model}.json")
               for model, select in (("moe", "moe- and not kept and not ep2"),
                                     ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))),
             Step("bench-gpu-stack", [
                 *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-q",
                 "--ignore=benchmarks/test_bench_megatron_scale.py",
                 "--ignore=benchmarks/test_bench_sanitize.py",
-                f"--benchmark-json={o('bench-gpu-stack.json')}"], 480, json="bench-gpu-stack.json"),
+                f"--benchmark-json={o('bench-gpu-stack.json')}"], 420, json="bench-gpu-stack.json"),
             Step("bench-gpu-sanitize", [
                 *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-                f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 300,
+                f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 160,
                 json="bench-gpu-sanitize.json", alone=True)],
         # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
         "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
