@@ -631,6 +631,8 @@ def test_compute_sanitizer_memcheck_fixed_path_releases(name):
     fixed = _memcheck(name, "--fixed")
     out = fixed.stdout + fixed.stderr
     assert fixed.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+    if name.startswith("shared-output-discard"):
+        return  # no reclaim: the repro itself checks the normed output freed, the residual kept
     # 0 errors must come from a run that let the leak go: the leaked graph held nothing of the
     # chunk view, so the shared storage went after its last reader (the repro checks it).
     (line,) = [ln for ln in fixed.stdout.splitlines() if ln.startswith("reclaim events:")]

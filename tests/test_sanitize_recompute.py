@@ -15,7 +15,6 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
-from fixes.sanitize._modes import Values
 from repro import run_isolated
 
 pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]

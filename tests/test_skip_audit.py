@@ -181,3 +181,4 @@ def test_a_repro_needing_a_newer_torch_than_installed_is_skipped_before_any_chil
     reason = runner.skip_reason(repro, "cpu")
     assert reason == "torchtitan 0.3.0 needs torch >= 2.12 (found torch 2.11.0)"
     assert skip_audit._Audit("gpu").allowed.search(reason)
+    assert skip_audit._Audit("gpu").allowed.search(f"{repro.name}: {reason}")  # as a test says it

@@ -33,7 +33,8 @@ NO_TORCHTITAN = (r"^torchtitan is not installed( \(No module named 'torchtitan'\
 NO_TORCH_REMAT = r"torch[-_]remat"
 # A package release that needs a newer torch than the env's (repro.harness.optional): a version
 # conflict, legitimate on any env; the same import failing on a torch it accepts is not.
-TORCH_TOO_OLD = r"^[\w.-]+ [\w.+-]+ needs torch >= [\d.]+ \(found torch [\w.+-]+\)(: |$)"
+TORCH_TOO_OLD = (r"^([\w-]+: )?[\w.-]+ [\w.+-]+ needs torch >= [\d.]+ "
+                 r"\(found torch [\w.+-]+\)(: |$)")  # a repro's skip names the repro first
 NO_TRITON = r"triton is not installed"  # CUDA torch wheels bring it; the gpu env does not
 NO_FORK_SERVER = r"fork server unavailable here"
 NOT_A_COMPAT_PYTHON = r"is not a compat Python"
