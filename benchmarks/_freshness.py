@@ -35,6 +35,8 @@ MEASURED_PATHS: dict[str, tuple[str, ...]] = {
     "sanitizers": ("fixes/sanitize/", "benchmarks/_ac.py", "benchmarks/test_bench_sanitize.py"),
     "recompute-sanitizer": ("fixes/sanitize/", "benchmarks/_sanitize_megatron.py",
                             "benchmarks/test_bench_sanitize.py"),
+    "output-discard": ("fixes/megatron/output_discard.py", "benchmarks/_output_discard.py",
+                       "benchmarks/test_bench_output_discard.py", "benchmarks/_measure.py"),
     # the compatibility matrix (benchmarks/results/compat/): every repro and every fix
     "compat": ("fixes/", "repro/"),
 }

@@ -36,9 +36,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from fixes.recompute import state as recompute_state
-from fixes.sanitize import _detect
+from fixes.sanitize import _detect, _intended, _opsite, _verdict
 from fixes.sanitize import _fingerprint as fp
-from fixes.sanitize import _intended, _opsite, _verdict
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import RecomputeMismatchError, RecomputeSanitizerWarning
 from fixes.sanitize._modes import Values
