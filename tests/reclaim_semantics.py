@@ -28,19 +28,10 @@ import contextlib
 import copy
 
 import torch
-import torch.utils.checkpoint as tcp
+from reclaim_readers import _checkpoint  # the Function and the call, torch's or megatron's
 from torch import nn
 
 WAY_OUT = "fixes.megatron.remove_recompute_reclaim_patch"
-
-
-def _checkpoint(target: str):
-    if target == "torch":
-        return tcp.CheckpointFunction, lambda fn, *a: tcp.checkpoint(fn, *a, use_reentrant=True)
-    from megatron.core import tensor_parallel
-
-    return (tensor_parallel.random.CheckpointFunction,
-            lambda fn, *a: tensor_parallel.checkpoint(fn, False, *a))
 
 
 @contextlib.contextmanager
