@@ -142,8 +142,7 @@ REPROS = [
         # The recompute sanitizer names the first collective the recompute skips (the mesh
         # sanitizer, with the mesh-recompute family, names the lost mesh itself).
         sanitized_signatures=(
-            Signature(exception="RecomputeMismatchError", message="differs from its forward at "
-                      "op #"),
+            Signature(exception="RecomputeMismatchError", message="differs from its forward ("),
         ),
         sanitizers=("storage", "recompute"),
         devices=("cpu",),

@@ -441,7 +441,13 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         if later:  # patched when imported while the sanitizer is active
             hook = OnImport(later)
             sys.meta_path.insert(0, hook)
-        yield sanitizer
+        try:
+            yield sanitizer
+        except Exception:
+            # A detection made during a backward comes before the program's own later failure
+            # (a wrong result it checks, say): it names the cause, with that failure as context.
+            sanitizer.raise_pending()
+            raise
         sanitizer.raise_pending()
     finally:
         try:
