@@ -34,11 +34,13 @@ def _checkpoint(target: str):
 
 
 @contextlib.contextmanager
-def _target(target: str, reclaim: bool):
+def _target(target: str, reclaim: bool, device: str = "cpu"):
+    """The checkpoint call of ``target``, with the reclaim installed on its Function when
+    ``reclaim`` (megatron's on a CPU-only machine through ``megatron_on_cpu``)."""
     from fixes.megatron import apply_recompute_reclaim_patch, remove_recompute_reclaim_patch
 
     on_cpu = contextlib.nullcontext()
-    if target == "megatron":
+    if target == "megatron" and device == "cpu":
         from fixes.testing import megatron_on_cpu
 
         on_cpu = megatron_on_cpu()

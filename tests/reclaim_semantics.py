@@ -24,34 +24,13 @@ checkpoint) or ``"megatron"`` (megatron-core's ``tensor_parallel.checkpoint``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
-from reclaim_readers import _checkpoint  # the Function and the call, torch's or megatron's
+from reclaim_readers import _target  # the checkpoint call, torch's or megatron's, reclaim on/off
 from torch import nn
 
 WAY_OUT = "fixes.megatron.remove_recompute_reclaim_patch"
-
-
-@contextlib.contextmanager
-def _target(target: str, device: str, reclaim: bool):
-    from fixes.megatron import apply_recompute_reclaim_patch, remove_recompute_reclaim_patch
-
-    on_cpu = contextlib.nullcontext()
-    if target == "megatron" and device == "cpu":
-        from fixes.testing import megatron_on_cpu
-
-        on_cpu = megatron_on_cpu()
-    with on_cpu:
-        cls, checkpoint = _checkpoint(target)
-        if reclaim:
-            apply_recompute_reclaim_patch(cls)
-        try:
-            yield checkpoint
-        finally:
-            if reclaim:
-                remove_recompute_reclaim_patch(cls)
 
 
 def _error(fn) -> str:
@@ -320,7 +299,7 @@ SCENARIOS = {
 
 def run(kind: str, name: str, target: str, device: str, reclaim: bool) -> dict | str:
     """What the scenario saw, or the text of an error it did not catch itself."""
-    with _target(target, device, reclaim) as checkpoint:
+    with _target(target, reclaim, device) as checkpoint:
         try:
             return SCENARIOS[kind][name](checkpoint, device)
         except (RuntimeError, TypeError, AttributeError) as e:
