@@ -14,7 +14,9 @@ Per region (a ``Watch``):
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
   hold) -- small non-parameter ones by their contents before and after (batch norm updates its
-  running statistics without bumping their version counter), the others by version counter.
+  running statistics without bumping their version counter), the others by version counter
+  (``_reach``: the walk of the modules is kept between fresh walks, every region in ``all``,
+  every ``sample_every``-th of a call site in the other modes).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
 object that is no module), a rebound Python attribute, state outside tensors (a communicator
@@ -39,16 +41,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Divergence, RecomputeMismatchError, Verdict
+from fixes.sanitize._reach import State, Walks, reached
 
 __all__ = ["Detection", "Watch", "never_recomputed_error", "unlocated_error"]
-
-SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(slots=True)
@@ -90,7 +89,7 @@ def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
             for name, p in root.named_parameters():
                 if p.requires_grad:
                     names.setdefault(id(p), f"{type(root).__name__}.{name}")
-    for t in _reached(roots):
+    for t in reached(roots):
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             names.setdefault(id(t), f"a parameter of shape {list(t.shape)}")
     if not names:
@@ -106,123 +105,6 @@ def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
     return RecomputeMismatchError(
         message, region=region, verdict=Verdict.NEVER_RECOMPUTED, item=listed,
         what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())
-
-
-# -- what a region reaches ---------------------------------------------------------------------
-
-
-def _reached(roots) -> list[torch.Tensor]:
-    """The plain tensors reachable from ``roots`` (the region's function and arguments): the
-    tensors among them (and in their closures, partials, lists, dicts, one level deep), and
-    every parameter, buffer and tensor attribute of the modules among them."""
-    tensors: dict[int, torch.Tensor] = {}
-    modules: dict[int, torch.nn.Module] = {}
-
-    def visit(obj, depth: int) -> None:
-        if isinstance(obj, torch.Tensor):
-            if type(obj) in _PLAIN:
-                tensors.setdefault(id(obj), obj)
-        elif isinstance(obj, torch.nn.Module):
-            modules.setdefault(id(obj), obj)
-        elif depth > 2:
-            return
-        elif isinstance(obj, (list, tuple)):
-            for x in obj[:64]:
-                visit(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in list(obj.values())[:64]:
-                visit(x, depth + 1)
-        elif isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            visit(obj.args, depth + 1)
-            visit(obj.keywords, depth + 1)
-        elif callable(obj):
-            visit(getattr(obj, "__self__", None), depth + 1)
-            for cell in getattr(obj, "__closure__", None) or ():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-            code, names = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
-            if code is not None and isinstance(names, dict):  # the globals it names
-                for name in code.co_names:
-                    value = names.get(name)
-                    if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list)):
-                        visit(value, depth + 1)
-
-    def attribute(value, depth: int) -> None:
-        """Tensors held in a module's attributes: directly, or in a dict, list or plain
-        object they hold (TransformerEngine's ``fp8_meta``), two levels deep."""
-        if isinstance(value, torch.Tensor):
-            if type(value) in _PLAIN:
-                tensors.setdefault(id(value), value)
-        elif depth >= 2 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float)):
-            return
-        elif isinstance(value, dict):
-            for x in list(value.values())[:64]:
-                attribute(x, depth + 1)
-        elif isinstance(value, (list, tuple)):
-            for x in value[:64]:
-                attribute(x, depth + 1)
-        elif not callable(value) and isinstance(getattr(value, "__dict__", None), dict):
-            for x in list(vars(value).values())[:64]:
-                attribute(x, depth + 1)
-
-    for root in roots:
-        visit(root, 0)
-    for module in list(modules.values()):
-        for sub in module.modules():
-            for name, value in sub.__dict__.items():  # attributes that are no parameter/buffer
-                if not name.startswith("_"):
-                    attribute(value, 0)
-            for t in (*sub._parameters.values(), *sub._buffers.values()):
-                if t is not None and type(t) in _PLAIN:
-                    tensors.setdefault(id(t), t)
-    return list(tensors.values())
-
-
-def _small(t: torch.Tensor) -> bool:
-    return (not isinstance(t, torch.nn.Parameter) and t.numel() * t.element_size()
-            <= SMALL_STATE_BYTES and fp.readable(t))
-
-
-class _State:
-    """The reached tensors as a recompute found them: small non-parameter ones by a copy,
-    the others by version counter; ``changed()`` after the recompute: those it left changed."""
-
-    def __init__(self, reached: list[torch.Tensor]):
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.versions: list[tuple[torch.Tensor, int]] = []
-        self.declarations = _intended.entered()
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            for t in reached:
-                if _small(t):
-                    self.copies.append((t, t.detach().clone()))
-                elif t.layout is torch.strided and not t.is_meta:
-                    self.versions.append((t, t._version))
-
-    def changed(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(tensor, its copy from before or None) for each tensor left changed, less scratch and
-        the storages ``fixes.recompute`` replays."""
-        found: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        if self.copies:
-            with torch.no_grad(), torch._C._DisableTorchDispatch():
-                flags: dict = {}
-                for i, (t, c) in enumerate(self.copies):
-                    same = t.shape == c.shape and t.dtype == c.dtype
-                    flag = (fp.bits(t) != fp.bits(c)).any() if same else torch.tensor(True)
-                    flags.setdefault(flag.device, []).append((i, flag))
-                bad = [i for group in flags.values()  # one host synchronisation per device
-                       for (i, _), f in zip(group, torch.stack([f for _, f in group]).tolist(),
-                                            strict=True) if f]
-            found += [self.copies[i] for i in sorted(bad)]
-        found += [(t, None) for t, v in self.versions if t._version != v]
-        if not found:
-            return found
-        managed = recompute_state.managed_storages()
-        return [(t, c) for t, c in found
-                if (key := t.untyped_storage()._cdata) not in managed
-                and _intended.scratch_reason(key) is None]
 
 
 # -- one side ----------------------------------------------------------------------------------
@@ -303,14 +185,16 @@ class Watch:
     locator."""
 
     def __init__(self, kind: str, label: str, site: tuple[str, ...], stats, roots,
-                 reentrant: bool, printed: bool, found):
+                 reentrant: bool, printed: bool, found, walks: Walks | None = None,
+                 fresh: bool = True):
         self.kind, self.label, self.site, self.stats = kind, label, site, stats
         self.reentrant, self.printed, self.found = reentrant, printed, found
+        self._walks, self._fresh = walks, fresh  # see _reach.Walks
         self._roots = [weakref.ref(r) if _weakable(r) else r for r in roots]
         self.forward: _Side | None = None
         self.broken: str | None = None
         self.judged_outside = False
-        self._state: _State | None = None
+        self._state: State | None = None
         self._recompute: tuple | None = None  # (tensors, stopped early) awaiting the verdict
         self.position = 0  # among its call site's regions in this round (the sanitizer's)
 
@@ -319,7 +203,10 @@ class Watch:
 
     def reached(self) -> list[torch.Tensor]:
         roots = [r() if isinstance(r, weakref.ref) else r for r in self._roots]
-        return _reached([r for r in roots if r is not None])
+        roots = [r for r in roots if r is not None]
+        if self._walks is None:
+            return reached(roots)
+        return self._walks.reached(roots, self._fresh)
 
     # -- non-reentrant -------------------------------------------------------------------------
 
@@ -330,7 +217,7 @@ class Watch:
     def replaying(self, fn):
         def recompute_function(*args, **kwargs):
             if not self.judged_outside:
-                self._state = _State(self.reached())
+                self._state = State(self.reached())
             packs = _Packs()
             failed = stopped = False
             try:
@@ -353,7 +240,7 @@ class Watch:
         self.judged_outside = True
 
         def judged_recompute(*args):
-            self._state = _State(self.reached())
+            self._state = State(self.reached())
             stop = None
             try:
                 recompute_fn(*args)
@@ -396,7 +283,7 @@ class Watch:
                 return out
             self.stats.recomputes += 1
             self.stats.recomputed(self.site)
-            state = _State(self.reached())
+            state = State(self.reached())
             out = fn(*args, **kwargs)
             self._judge(fp.tensors(out), state, False)
             return out
@@ -413,7 +300,7 @@ class Watch:
         except Exception as exc:  # the sanitizer's own failure: the region runs unchecked
             self._fail(exc)
 
-    def _judge(self, tensors: list[torch.Tensor], state: _State | None, stopped: bool) -> None:
+    def _judge(self, tensors: list[torch.Tensor], state: State | None, stopped: bool) -> None:
         """Count and metadata now (host-side: a difference torch fails on is raised at once);
         values and outside state queued, judged with every other recompute of this backward
         after one synchronisation per device (``RecomputeSanitizer.defer``)."""
@@ -450,7 +337,7 @@ class Watch:
                                  f"forward {_meta(a)}, recompute {_meta(b)}", fatal=True), None
         return None, recompute
 
-    def _value_difference(self, recompute: _Side, state: _State | None) -> Detection | None:
+    def _value_difference(self, recompute: _Side, state: State | None) -> Detection | None:
         forward = self.forward
         what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
         noun = "output" if self.reentrant else "saved tensor"
@@ -459,11 +346,11 @@ class Watch:
             self.stats.outside_writes += len(changed)
             t, before = changed[0]
             declared = _intended.entered() != state.declarations
+            restored = False
             if before is not None and not declared:  # its contents from before, back
-                with torch.no_grad(), torch._C._DisableTorchDispatch():
-                    for u, c in changed:
-                        if c is not None:
-                            u.copy_(c)
+                for u, c in changed:
+                    if c is not None:
+                        restored = State.restore(u, c) or restored
             shape = f"shape {list(t.shape)}, {str(t.dtype).removeprefix('torch.')}"
             more = f"; {len(changed) - 1} more such tensors" if len(changed) > 1 else ""
             return Detection(self.name(), self.site, Verdict.SIDE_EFFECT,
@@ -472,7 +359,7 @@ class Watch:
                              "buffer, parameter, attribute or the region's input) changed, so "
                              "the forward's update would be applied a second time" +
                              (" (the sanitizer gave it its contents back)"
-                              if before is not None and not declared else "") + more,
+                              if restored else "") + more,
                              declared=declared)
         if not self.printed:
             return None
@@ -520,21 +407,15 @@ class _Check:
     (exact prints, small state); ``host_changed`` is known without a synchronisation (version
     counters)."""
 
-    def __init__(self, watch: Watch, recompute: _Side, state: _State | None):
+    def __init__(self, watch: Watch, recompute: _Side, state: State | None):
         self.watch, self.recompute, self.state = watch, recompute, state
 
     def host_changed(self) -> bool:
-        return self.state is not None and any(t._version != v for t, v in self.state.versions)
+        return self.state is not None and self.state.host_changed()
 
     def flags(self) -> list[torch.Tensor]:
-        out = []
+        out = self.state.flags() if self.state is not None else []
         with torch.no_grad(), torch._C._DisableTorchDispatch():
-            if self.state is not None:
-                for t, c in self.state.copies:
-                    if t.shape != c.shape or t.dtype != c.dtype:
-                        out.append(torch.tensor(True))
-                    else:
-                        out.append((fp.bits(t) != fp.bits(c)).any())
             if self.watch.printed and self.watch.forward is not None:
                 a_all, b_all = [], []
                 for a, b in _pairs(self.watch.forward.prints, self.recompute.prints):

@@ -76,6 +76,7 @@ from fixes.sanitize._intended import recompute_may_differ, scratch_tensors
 from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._opsite import entry_frame
+from fixes.sanitize._reach import Walks
 from fixes.sanitize._region import Region
 
 __all__ = ["ATOMIC_RTOL", "Divergence", "RecomputeMismatchError", "RecomputeSanitizer",
@@ -125,6 +126,7 @@ class RecomputeSanitizer:
     # (call site, position) whose within-tolerance difference the locator found a lowering
     _tolerated: set = field(default_factory=set, repr=False)
     _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
+    _walks: Walks = field(default_factory=Walks, repr=False)  # what regions reach, kept
 
     def _on(self) -> bool:
         return _slot.holds(self)
@@ -151,7 +153,8 @@ class RecomputeSanitizer:
             region.detection, region.position = found, position
             return region
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
-                      reentrant, self._printed(position, rounds), self._found)
+                      reentrant, self._printed(position, rounds), self._found, self._walks,
+                      fresh=self.values == "all" or self._rotated(position, rounds))
         watch.position = position
         return watch
 
@@ -210,6 +213,9 @@ class RecomputeSanitizer:
             return True
         if self.values == "none":
             return False
+        return self._rotated(position, rounds)
+
+    def _rotated(self, position: int, rounds: int) -> bool:
         return (position + rounds) % self.sample_every == 0
 
     def _found(self, watch: Watch, found: Detection) -> None:

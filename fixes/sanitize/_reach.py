@@ -1,0 +1,262 @@
+"""What a checkpointed region reaches outside itself, and whether its recompute left it changed:
+the detect tier's check of writes outside the region (``_detect``).
+
+* ``reached(roots)``: the plain tensors reachable from a region's function and arguments --
+  the tensors among them (and in their closures, partials, lists, dicts, two levels deep), and
+  every parameter, buffer and tensor attribute of the modules among them. Each module and each
+  plain object is walked once: megatron's modules all hold one ``TransformerConfig``, and
+  walking it again under each of an MoE layer's thousand modules was most of a sanitized
+  step's host time on the H200 (``values="none"`` cost 1.41x a step at H=1024).
+* ``Walks``: the walk of a region's modules (their subtrees and attributes: the costly part)
+  kept per set of modules, and redone when the caller asks (``fresh``: the sanitizer asks for
+  every region in ``values="all"``, and for every ``sample_every``-th region of a call site,
+  rotating, in the other modes). Between two walks the tensors the last one found are
+  checked: a tensor attached to a module after it is seen from the next walk on.
+* ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
+  their bits (batch norm updates its running statistics without bumping their version
+  counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
+  copy and one comparison kernel per device, not a few per tensor; the others by version
+  counter. ``flags()``: one 0-d device tensor per device, true when some small tensor's bits
+  changed (read after the backward's one synchronisation); ``changed()``: which ones (read
+  only for a flagged region).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from fixes.recompute import state as recompute_state
+from fixes.sanitize import _fingerprint as fp
+from fixes.sanitize import _intended
+
+__all__ = ["SMALL_STATE_BYTES", "State", "Walks", "reached"]
+
+SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WIDE = 64  # a container's first items walked
+
+
+def reached(roots) -> list[torch.Tensor]:
+    """The plain tensors reachable from ``roots`` (see the module docstring)."""
+    tensors, modules = _roots(roots)
+    for t in _walk(list(modules.values())):
+        tensors.setdefault(id(t), t)
+    return list(tensors.values())
+
+
+class Walks:
+    """The walks of modules, kept per set of modules (see the module docstring)."""
+
+    def __init__(self):
+        # module ids -> (the modules, the tensors the walk found), weakly
+        self._kept: dict[tuple[int, ...], tuple[list, list]] = {}
+
+    def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
+        tensors, modules = _roots(roots)
+        key = tuple(modules)
+        kept = None if fresh else self._kept.get(key)
+        if kept is not None and all(r() is m for r, m in zip(kept[0], modules.values(),
+                                                             strict=True)):
+            found = [t for r in kept[1] if (t := r()) is not None]
+        else:
+            found = _walk(list(modules.values()))
+            self._kept[key] = ([weakref.ref(m) for m in modules.values()],
+                               [weakref.ref(t) for t in found])
+        for t in found:
+            tensors.setdefault(id(t), t)
+        return list(tensors.values())
+
+
+def _tensor(tensors: dict, t: torch.Tensor) -> None:
+    if type(t) in _PLAIN:
+        tensors.setdefault(id(t), t)
+
+
+def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
+    """The tensors and modules among ``roots``, their closures, partials and containers."""
+    tensors: dict[int, torch.Tensor] = {}
+    modules: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()  # containers and callables walked already
+    tensor = functools.partial(_tensor, tensors)
+
+    def visit(obj, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensor(obj)
+        elif isinstance(obj, torch.nn.Module):
+            modules.setdefault(id(obj), obj)
+        elif depth > 2 or id(obj) in seen:
+            return
+        elif isinstance(obj, (list, tuple)):
+            seen.add(id(obj))
+            for x in obj[:_WIDE]:
+                visit(x, depth + 1)
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            for x in list(obj.values())[:_WIDE]:
+                visit(x, depth + 1)
+        elif isinstance(obj, functools.partial):
+            seen.add(id(obj))
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif callable(obj):
+            seen.add(id(obj))
+            visit(getattr(obj, "__self__", None), depth + 1)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            code, names = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+            if code is not None and isinstance(names, dict):  # the globals it names
+                for name in code.co_names:
+                    value = names.get(name)
+                    if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list)):
+                        visit(value, depth + 1)
+
+    for root in roots:
+        visit(root, 0)
+    return tensors, modules
+
+
+def _walk(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter, buffer and tensor attribute of ``modules`` and their submodules."""
+    tensors: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()  # containers and plain objects walked already
+    tensor = functools.partial(_tensor, tensors)
+
+    def attribute(value, depth: int) -> None:
+        """Tensors held in a module's attributes: directly, or in a dict, list or plain
+        object they hold (TransformerEngine's ``fp8_meta``), two levels deep."""
+        if isinstance(value, torch.Tensor):
+            tensor(value)
+        elif depth >= 2 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float)):
+            return
+        elif id(value) in seen:
+            return
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            for x in list(value.values())[:_WIDE]:
+                attribute(x, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for x in value[:_WIDE]:
+                attribute(x, depth + 1)
+        elif not callable(value) and isinstance(getattr(value, "__dict__", None), dict):
+            seen.add(id(value))
+            for x in list(vars(value).values())[:_WIDE]:
+                attribute(x, depth + 1)
+
+    walked: set[int] = set()
+    for module in modules:
+        for sub in module.modules():
+            if id(sub) in walked:  # a submodule of another root module
+                continue
+            walked.add(id(sub))
+            for name, value in sub.__dict__.items():  # attributes that are no parameter/buffer
+                if not name.startswith("_"):
+                    attribute(value, 0)
+            for t in (*sub._parameters.values(), *sub._buffers.values()):
+                if t is not None:
+                    tensor(t)
+    return list(tensors.values())
+
+
+def _small(t: torch.Tensor) -> bool:
+    return (not isinstance(t, torch.nn.Parameter) and t.numel() * t.element_size()
+            <= SMALL_STATE_BYTES and fp.readable(t))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a flat uint8 tensor (a copy only where ``t`` is not contiguous)."""
+    return fp.bits(t).reshape(-1).view(torch.uint8)
+
+
+class State:
+    """The reached tensors as a recompute found them (see the module docstring)."""
+
+    def __init__(self, reached_tensors: list[torch.Tensor]):
+        self.small: list[torch.Tensor] = []
+        self.metas: list[tuple] = []  # (shape, dtype) of each small tensor, as found
+        self.snapshots: dict[torch.device, tuple[list[int], torch.Tensor]] = {}
+        self.versions: list[tuple[torch.Tensor, int]] = []
+        self.declarations = _intended.entered()
+        groups: dict[torch.device, list[int]] = {}
+        for t in reached_tensors:
+            if _small(t):
+                groups.setdefault(t.device, []).append(len(self.small))
+                self.small.append(t)
+                self.metas.append((t.shape, t.dtype))
+            elif t.layout is torch.strided and not t.is_meta:
+                self.versions.append((t, t._version))
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            for device, indices in groups.items():  # a copy: one kernel per device
+                self.snapshots[device] = (indices, torch.cat(
+                    [_bytes(self.small[i]) for i in indices]))
+
+    def _now(self, indices: list[int]) -> torch.Tensor | None:
+        """The small tensors' bytes now, or None if one changed shape or dtype."""
+        for i in indices:
+            t = self.small[i]
+            if (t.shape, t.dtype) != self.metas[i] or not fp.readable(t):
+                return None
+        return torch.cat([_bytes(self.small[i]) for i in indices])
+
+    def flags(self) -> list[torch.Tensor]:
+        """One 0-d bool device tensor per device: some small tensor's bits changed."""
+        out = []
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            for device, (indices, before) in self.snapshots.items():
+                now = self._now(indices)
+                out.append(torch.tensor(True, device=device) if now is None
+                           else (now != before).any())
+        return out
+
+    def host_changed(self) -> bool:
+        return any(t._version != v for t, v in self.versions)
+
+    def _before(self, i: int, indices: list[int], snapshot: torch.Tensor) -> torch.Tensor:
+        """Small tensor ``i``'s bytes as the recompute found them (a view of the snapshot)."""
+        offset = 0
+        for j in indices:
+            n = self.small[j].numel() * self.small[j].element_size()
+            if j == i:
+                return snapshot[offset:offset + n]
+            offset += n
+        raise KeyError(i)
+
+    def changed(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(tensor, its bytes from before or None) for each tensor left changed, less scratch
+        and the storages ``fixes.recompute`` replays. Synchronises (a flagged region only)."""
+        found: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            for indices, snapshot in self.snapshots.values():
+                for i in indices:
+                    t, before = self.small[i], self._before(i, indices, snapshot)
+                    if ((t.shape, t.dtype) != self.metas[i] or not fp.readable(t)
+                            or bool((_bytes(t) != before).any())):
+                        found.append((t, before))
+        found += [(t, None) for t, v in self.versions if t._version != v]
+        if not found:
+            return found
+        managed = recompute_state.managed_storages()
+        return [(t, c) for t, c in found
+                if (key := t.untyped_storage()._cdata) not in managed
+                and _intended.scratch_reason(key) is None]
+
+    @staticmethod
+    def restore(t: torch.Tensor, before: torch.Tensor) -> bool:
+        """Give ``t`` its bits from ``before`` back; False where it cannot be (its shape or
+        dtype changed, or its bits are no view of it: a quantized tensor)."""
+        if t.is_quantized or t.numel() * t.element_size() != before.numel():
+            return False
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            target = fp.bits(t)
+            if target.data_ptr() != t.data_ptr():  # resolved a conjugate or negative bit
+                return False
+            # a copy of the slice: its offset in the snapshot need not suit the dtype
+            target.copy_(before.clone().view(target.dtype).view(target.shape))
+        return True

@@ -1,0 +1,102 @@
+"""What a checkpointed region reaches outside itself (``fixes.sanitize._reach``): the walk, its
+kept copy between fresh walks, and the small state snapshot taken in one buffer per device."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fixes.sanitize import _reach
+
+pytestmark = pytest.mark.cpu
+
+
+class _Config:
+    def __init__(self):
+        self.table = torch.zeros(4)  # a tensor behind a plain object every module holds
+        for i in range(200):
+            setattr(self, f"field_{i}", i)
+
+
+def _model(config, n=3):
+    layers = torch.nn.ModuleList()
+    for _ in range(n):
+        layer = torch.nn.Linear(4, 4)
+        layer.config = config
+        layer.register_buffer("running", torch.zeros(4))
+        layers.append(layer)
+    return layers
+
+
+def test_the_walk_finds_parameters_buffers_and_attributes_each_once():
+    config = _Config()
+    model = _model(config)
+    arg = torch.ones(2)
+    found = _reach.reached([model.forward, arg])
+    ids = {id(t) for t in found}
+    assert len(ids) == len(found)
+    expected = [arg, config.table, *model.parameters(), *model.buffers()]
+    assert {id(t) for t in expected} <= ids
+
+
+def test_kept_walks_reuse_the_last_walk_until_a_fresh_one():
+    model = _model(_Config())
+    walks = _reach.Walks()
+    first = walks.reached([model], fresh=True)
+    model[0].late = torch.ones(3)  # attached after the walk
+    kept = walks.reached([model], fresh=False)
+    assert {id(t) for t in kept} == {id(t) for t in first}
+    fresh = walks.reached([model], fresh=True)
+    assert id(model[0].late) in {id(t) for t in fresh}
+    # arguments are new every call: never taken from the kept walk
+    arg = torch.ones(2)
+    assert id(arg) in {id(t) for t in walks.reached([model, arg], fresh=False)}
+
+
+def test_a_kept_walk_is_not_reused_for_another_module_at_a_reused_id():
+    walks = _reach.Walks()
+    model = _model(_Config(), n=1)
+    walks.reached([model], fresh=True)
+    key = (id(model),)
+    stale = walks._kept[key]
+    other = types.SimpleNamespace()  # a stand-in where the module was: the weakref no longer
+    walks._kept[key] = ([lambda: other], stale[1])  # names this module
+    got = walks.reached([model], fresh=False)
+    assert {id(t) for t in got} >= {id(p) for p in model.parameters()}
+    assert walks._kept[key][0][0]() is model
+
+
+def test_the_snapshot_tells_which_small_tensor_changed_and_gives_its_bits_back():
+    small = [torch.zeros(3), torch.arange(5, dtype=torch.int64), torch.tensor([True, False]),
+             torch.zeros(2, dtype=torch.complex64), torch.zeros(4, dtype=torch.bfloat16)]
+    big = torch.nn.Parameter(torch.zeros(2))
+    state = _reach.State([*small, big])
+    assert len(state.small) == len(small) and [t for t, _ in state.versions] == [big]
+    assert [bool(f) for f in state.flags()] == [False]
+    assert state.changed() == []
+    small[1].add_(1)
+    small[3].imag.fill_(float("nan"))
+    assert [bool(f) for f in state.flags()] == [True]
+    changed = state.changed()
+    assert [t for t, _ in changed] == [small[1], small[3]]
+    for t, before in changed:
+        assert _reach.State.restore(t, before)
+    assert torch.equal(small[1], torch.arange(5))
+    assert not small[3].isnan().any()
+    assert [bool(f) for f in state.flags()] == [False]
+
+
+def test_a_small_tensor_that_changes_shape_or_a_parameter_written_in_place_is_seen():
+    t = torch.zeros(3)
+    p = torch.nn.Parameter(torch.zeros(2))
+    state = _reach.State([t, p])
+    assert not state.host_changed()
+    with torch.no_grad():
+        p.add_(1)
+    assert state.host_changed()
+    t.resize_(4)
+    assert [bool(f) for f in state.flags()] == [True]
+    assert [u for u, _ in state.changed()][:1] == [t]
+    assert not _reach.State.restore(t, state.changed()[0][1])  # another size: not restorable
