@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -152,7 +153,10 @@ def _profile(step, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks._sanitize_megatron")
-    p.add_argument("--model", choices=("moe", "gpt-mtp"), required=True)
+    p.add_argument("--model", choices=("moe", "gpt-mtp"))
+    p.add_argument("--cell", action="append", default=[], metavar="MODEL:SIZE:DTYPE:AUX:RECOMPUTE",
+                   help="measure this cell (repeatable; instead of --model, --size, --dtype, "
+                   "--aux-loss, --recompute): one interpreter for many cells, one line each")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--size", default="128x128", help="HIDDENxSEQ")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -165,12 +169,39 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.clock == "thread" and args.device != "cpu":
         p.error("--clock thread measures the host thread: CPU device only")
-    hidden, seq = (int(v) for v in args.size.split("x"))
-    result = measure(args.model, args.device, hidden, seq, args.dtype, args.steps,
-                     aux_loss=args.aux_loss, recompute=args.recompute, clock=args.clock,
-                     profile=args.profile)
-    print("SANITIZE-MEGATRON " + json.dumps(result), flush=True)
+    if bool(args.cell) == bool(args.model):
+        p.error("give --model or --cell, not both")
+    cells = [cell_arg(c, p) for c in args.cell] or [
+        (args.model, args.size, args.dtype, args.aux_loss, args.recompute)]
+    for model, size, dtype, aux, recompute in cells:
+        hidden, seq = (int(v) for v in size.split("x"))
+        cell = {"model": model, "size": size, "dtype": dtype, "aux_loss": aux,
+                "recompute": recompute}
+        try:
+            result = measure(model, args.device, hidden, seq, dtype, args.steps, aux_loss=aux,
+                             recompute=recompute, clock=args.clock, profile=args.profile)
+        except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
+            result = {**cell, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+        print("SANITIZE-MEGATRON " + json.dumps(result), flush=True)
+        gc.collect()  # this cell's model goes before the next is built
+        if args.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
     return 0
+
+
+def cell_arg(text: str, parser: argparse.ArgumentParser | None = None) -> tuple:
+    """``MODEL:SIZE:DTYPE:AUX:RECOMPUTE`` -> (model, size, dtype, aux, recompute)."""
+    parts = text.split(":")
+    if (len(parts) != 5 or parts[0] not in ("moe", "gpt-mtp") or parts[2] not in ("fp32", "bf16")
+            or parts[4] not in ("full", "moe-layer")):
+        message = (f"--cell {text!r}: expected MODEL:SIZE:DTYPE:AUX:RECOMPUTE with MODEL in "
+                   "moe, gpt-mtp, DTYPE in fp32, bf16 and RECOMPUTE in full, moe-layer")
+        if parser is not None:
+            parser.error(message)
+        raise ValueError(message)
+    return parts[0], parts[1], parts[2], float(parts[3]), parts[4]
 
 
 if __name__ == "__main__":

@@ -177,25 +177,42 @@ MEGATRON_PARAMS = [
 _NO_MEGATRON = importlib.util.find_spec("megatron") is None
 
 
+def _megatron_cells_in_child(device: str) -> dict[str, dict]:
+    """Every megatron cell of ``device`` in one child (one interpreter and CUDA context for
+    all: a child per cell spent more time starting than measuring), by cell id."""
+    cells = MEGATRON_CELLS[device]
+    steps = {c[3] for c in cells}
+    assert len(steps) == 1, "one child: one step count per device"
+    args = ["--device", device, "--steps", str(steps.pop())]
+    for model, size, dtype, _, aux, recompute in cells:
+        args += ["--cell", f"{model}:{size}:{dtype}:{aux:g}:{recompute}"]
+    if device == "cpu":  # one intra-op thread: its CPU time, what neighbours' load does not add
+        args += ["--clock", "thread"]
+    r = run_isolated(module="benchmarks._sanitize_megatron", args=args, timeout=1800,
+                     env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)
+    found = [json.loads(ln.split(" ", 1)[1]) for ln in r.stdout.splitlines()
+             if ln.startswith("SANITIZE-MEGATRON ")]
+    # a child that died takes the cells it did not reach with it (each test then says so,
+    # without starting the child again)
+    died = {"error": f"the child exited {r.returncode}: {r.stderr[-4000:]}"}
+    found += [died] * (len(cells) - len(found))
+    return {_cell_id(device, *cell): got for cell, got in zip(cells, found, strict=True)}
+
+
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
 @pytest.mark.parametrize("device,model,size,dtype,steps,aux,recompute", MEGATRON_PARAMS)
-def test_recompute_sanitizer_on_megatron(benchmark, device, model, size, dtype, steps, aux,
-                                         recompute):
+def test_recompute_sanitizer_on_megatron(benchmark, figure_book, device, model, size, dtype,
+                                         steps, aux, recompute):
     """No false positive on a real MoE GPT (aux loss off and on) / GPT+MTP with full or MoE-layer
     recompute (gradients equal to an unsanitized step's, bitwise on CPU), and the step-time
     ratios of every mode."""
-    args = ["--model", model, "--device", device, "--size", size, "--dtype", dtype,
-            "--steps", str(steps), "--aux-loss", str(aux), "--recompute", recompute]
-    if device == "cpu":  # one intra-op thread: its CPU time, what neighbours' load does not add
-        args += ["--clock", "thread"]
     found: dict = {}
 
     def run_child():
-        r = run_isolated(module="benchmarks._sanitize_megatron", args=args, timeout=900,
-                         env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("SANITIZE-MEGATRON ")]
-        assert r.returncode == 0 and lines, r.stderr[-4000:]
-        found.update(json.loads(lines[-1].split(" ", 1)[1]))
+        cells = figure_book.get(("recompute-sanitizer", device),
+                                lambda: _megatron_cells_in_child(device))
+        found.update(cells[_cell_id(device, model, size, dtype, steps, aux, recompute)])
+        assert "error" not in found, found["error"]
 
     benchmark.pedantic(run_child, rounds=1, iterations=1)
     assert found["regions"] >= 4 and found["recomputes"] == found["regions"]
