@@ -55,7 +55,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
     # the sanitizers' step-time ratios, alone on the GPU (the refresh's last session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 200, json="bench-gpu-sanitize.json",
+        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 180, json="bench-gpu-sanitize.json",
         alone=True)
     return {
         # the whole gpu suite and the skip audit; the GPU main job
@@ -150,14 +150,14 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *(Step(f"bench-gpu-megatron-{model}", [
                 *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", select,
                 "-p", "no:xdist", "-q", f"--benchmark-json={o(f'bench-gpu-megatron-{model}.json')}"],
-                360, json=f"bench-gpu-megatron-{model}.json")
+                330, json=f"bench-gpu-megatron-{model}.json")
               for model, select in (("moe", "moe- and not kept and not ep2"),
                                     ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))),
             Step("bench-gpu-stack", [
                 *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-q",
                 "--ignore=benchmarks/test_bench_megatron_scale.py",
                 "--ignore=benchmarks/test_bench_sanitize.py",
-                f"--benchmark-json={o('bench-gpu-stack.json')}"], 360, json="bench-gpu-stack.json"),
+                f"--benchmark-json={o('bench-gpu-stack.json')}"], 330, json="bench-gpu-stack.json"),
             sanitize],
         # the figures of the sanitizers alone (the refresh's last session): after a change
         # under fixes/sanitize/, which no other family measures
