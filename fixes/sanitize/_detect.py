@@ -110,10 +110,14 @@ def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
 # -- one side ----------------------------------------------------------------------------------
 
 
-def _valued(t: torch.Tensor) -> bool:
-    """Values compared: not a 0-d integer tensor on CUDA (fused attention's philox seed and
-    offset, drawn anew by a recompute with no effect when dropout is off)."""
-    return not (t.dim() == 0 and not t.is_floating_point() and t.device.type == "cuda")
+def _valued(t: torch.Tensor, cuda: bool) -> bool:
+    """Values compared: not a 0-d integer tensor of a side that computes on CUDA (``cuda``):
+    fused attention's philox seed and offset, drawn anew by a recompute with no effect when
+    dropout is off -- on the GPU, or on the host (torch 2.11's flash attention on the H200
+    saves them as uninitialised 0-d int64 CPU tensors when dropout is off: a false positive
+    on every CUDA SDPA region until this rule took the host ones too)."""
+    return not (t.dim() == 0 and not t.is_floating_point() and not t.is_complex()
+                and (cuda or t.device.type == "cuda"))
 
 
 @dataclass(slots=True)
@@ -126,9 +130,10 @@ class _Side:
 def _side(tensors: list[torch.Tensor], printed: bool, tolerant: bool) -> _Side:
     side = _Side([(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
     if printed:
-        side.prints = [fp.fingerprint([t]) if _valued(t) else None for t in tensors]
+        cuda = any(t.device.type == "cuda" for t in tensors)
+        side.prints = [fp.fingerprint([t]) if _valued(t, cuda) else None for t in tensors]
         if tolerant:
-            side.loose = [fp.fingerprint([t], tolerant=True) if _valued(t) else None
+            side.loose = [fp.fingerprint([t], tolerant=True) if _valued(t, cuda) else None
                           for t in tensors]
     return side
 
