@@ -12,11 +12,9 @@ Per region (a ``Watch``):
   ``sampled``: every k-th region of a call site, rotating; ``none``: none), by fingerprint
   (``_fingerprint``: position-weighted integer sums, one host synchronisation per device);
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
-  the parameters, buffers and tensor attributes of the modules its function -- with its
-  closure and the globals it names -- and arguments hold, ``_reached``) -- small non-parameter
-  ones by their contents before and after (batch norm updates its running statistics without
-  bumping their version counter; a changed one is given its contents from before back, and the
-  error says so), the others by version counter.
+  the parameters, buffers and tensor attributes of the modules its function and arguments
+  hold) -- small non-parameter ones by their contents before and after (batch norm updates its
+  running statistics without bumping their version counter), the others by version counter.
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
 object that is no module), a rebound Python attribute, state outside tensors (a communicator
