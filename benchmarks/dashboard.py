@@ -10,7 +10,7 @@ tracks). Contract of the page:
 - Runs of a dirty tree are left out (counted at the top) unless ``--include-dirty``; then
   they are labelled ``+dirty`` (``benchmarks._views``).
 - A summary table of the headline cells (``benchmarks.headline``) comes first; ``--readme``
-  writes the same table into the README between its markers, and ``--screenshot`` a PNG of
+  writes the README's shorter table of the same rows (one size per model) between its markers, and ``--screenshot`` a PNG of
   the whole page, as tall as it is (headless Chromium, ``benchmarks._browser``), in the same
   command.
 - One collapsible section per device kind and scenario, showing the latest run *of that
@@ -75,7 +75,8 @@ width:10px;height:10px;border-radius:2px;margin-right:4px} h3{font-size:13px;mar
 
 
 def summary_table(rows: list[headline.HeadlineRow]) -> str:
-    """The headline cells (the README's table), each linked to its section."""
+    """Every headline cell, one row per strategy (the README shows one size per model), each
+    linked to its section."""
     head = "".join(f"<th>{escape(c)}</th>" for c in headline.COLUMNS)
     out = [f'<table class="summary" id="headline"><tr>{head}</tr>']
     for row in rows:

@@ -9,10 +9,12 @@ megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, ran
 (``benchmarks._views``), one row per strategy (no reclaim, each verl release, the rival fixes
 where the family measures them, ours) with its figures and ours against it, and (given a
 ``History``) whether the run is older than the code it measures
-(``benchmarks._freshness``). The dashboard's summary table and the README's table
-(``update_readme``, between ``README_BEGIN`` and ``README_END``, and the compat matrix's line between
-its own markers, saying when the matrix is older than the code; nothing else of the file
-touched) are both drawn from these rows, so neither is copied by hand. The command writes the
+(``benchmarks._freshness``). The dashboard's summary table (``COLUMNS``: every cell, one row
+per strategy, ours against each) and the README's (``README_COLUMNS``: one row per cell it shows,
+``peak / kept`` per strategy; written by ``update_readme`` between ``README_BEGIN`` and
+``README_END``, and the compat matrix's line between its own markers, saying when the matrix is
+older than the code; nothing else of the file touched) are both drawn from these rows, so neither
+is copied by hand. The command writes the
 README's block from the committed runs (``benchmarks._published``); ``--check`` writes nothing
 and exits 1 when the block differs (``test_readme_figures.py`` runs it). A cell with no
 committed run reads "not run". Standard library only.
@@ -43,6 +45,7 @@ class Headline:
     scenario: str
     metrics: tuple[str, ...]
     what: str
+    in_readme: bool = True  # the README shows one size per model and device; the dashboard all
 
 
 HEADLINES = (
@@ -53,7 +56,7 @@ HEADLINES = (
     Headline("cpu", "megatron-scale/moe/256x256/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=256 S=256 fp32"),
     Headline("gpu-h200", "megatron-scale/moe/1024x2048/fp32", ("peak_bytes", "retained_bytes"),
-             "MoE GPT, H=1024 S=2048 fp32"),
+             "MoE GPT, H=1024 S=2048 fp32", in_readme=False),
     Headline("gpu-h200", "megatron-scale/moe/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=2048 S=4096 fp32"),
     Headline("gpu-h200", "megatron-scale/moe-ep2/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
@@ -172,21 +175,47 @@ def markdown(rows: list[HeadlineRow]) -> str:
     return "\n".join(lines)
 
 
+# The README's table: one row per cell it shows (``Headline.in_readme``), one column per strategy,
+# each figure pair as ``peak / kept`` in MiB. The dashboard's table (``COLUMNS``) has every cell,
+# one row per strategy, and ours against each.
+README_COLUMNS = ("MiB peak / kept", *(t for t, _ in REFERENCES), *(t for t, _ in RIVALS),
+                  SUBJECT, "run")
+
+
+def pair_text(row: Row | None, metrics: tuple[str, ...]) -> str:
+    """A strategy's figures as the README shows them: ``34.83 / 30.08``, or why there are none
+    (``not run``, ``crashed (SIGSEGV)``)."""
+    if row is None or row.crashed:
+        return figure_text(row, metrics[0])
+    return " / ".join(figure_text(row, m) for m in metrics)
+
+
+def readme_markdown(rows: list[HeadlineRow]) -> str:
+    """The README's table of ``rows``: a strategy its cell's family does not measure (the rival
+    fixes outside megatron-scale) reads ``--``."""
+    cells: dict[Headline, dict[str, HeadlineRow]] = {}
+    for row in rows:
+        if row.cell.in_readme:
+            cells.setdefault(row.cell, {})[row.title] = row
+    lines = ["| " + " | ".join(README_COLUMNS) + " |", "|" + "---|" * len(README_COLUMNS)]
+    for cell, by_title in cells.items():
+        figures = [pair_text(by_title[t].row, cell.metrics) if t in by_title else "--"
+                   for t in README_COLUMNS[1:-1]]
+        text = [f"{cell.what} ({cell.kind})", *figures, _run_cell(next(iter(by_title.values())))]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text) + " |")
+    return "\n".join(lines)
+
+
 def readme_block(rows: list[HeadlineRow]) -> str:
-    """What goes between the README's markers: the table and how it was made."""
-    return (markdown(rows) + "\n\nGenerated from the latest committed run of each scenario on "
-            "each device kind (`python -m benchmarks.headline`; `python -m benchmarks.gate "
-            "RESULTS.json --refresh` runs it; the cells are `benchmarks/headline.py`'s), one row "
-            "per strategy: no reclaim, verl's released reclaims, the rival fixes (Megatron-LM "
-            "#6339, radixark/miles #2862's `gc.collect()`; MoE GPT only), ours. Figures in MiB; "
-            "`after backward` is what the step leaves: live at the end of backward (checkpointed "
-            "stack), kept between steps beyond the model and its grads (MoE GPT); "
-            "`ours / it` is ours' figure divided by the row's, the difference in MiB in brackets; `run` is "
-            "the commit and date (UTC) of the run that measured the row, and \"older than the "
-            "code\" where a later commit changed the code it measures (the dashboard's section "
-            "names the paths and the commit; `benchmarks/_freshness.py`). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
-            "stats, `pytest benchmarks -m gpu`. Every other figure (activation checkpointing with "
-            "`mesh_preserving_context_fn`, step times, the sanitizers) and each figure's history: "
+    """What goes between the README's markers: the table and how to read it."""
+    return (readme_markdown(rows) + "\n\nMiB; `peak / kept`: the step's peak and what it leaves, "
+            "live at the end of backward (checkpointed stack) or kept between steps beyond the "
+            "model and its grads (MoE GPT). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
+            "stats, `pytest benchmarks -m gpu`. The rival fixes (Megatron-LM #6339, "
+            "radixark/miles #2862's `gc.collect()`) run on the MoE GPT only. `run`: the commit and "
+            "date (UTC) of the row's run, \"older than the code\" where a later commit changed what "
+            "it measures (`benchmarks/_freshness.py`). One size per model and device here; every "
+            "size, ours against each strategy, step times and the other benchmarks: "
             "[`benchmarks/results/dashboard.html`](benchmarks/results/dashboard.html).\n")
 
 

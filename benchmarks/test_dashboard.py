@@ -185,6 +185,37 @@ def test_a_rival_fix_shows_as_its_own_row_against_ours():
     assert rows["miles #2862 gc.collect"][5:7] == ["1000.0", "0.800 (-200.00)"]
 
 
+def test_the_readmes_table_is_one_row_per_model_and_a_column_per_strategy():
+    """The README's table: its cells one line each, ``peak / kept`` per strategy, a crash named,
+    a strategy the family does not measure ``--``, a measured one missing from the run
+    ``not run``."""
+    md = headline.readme_markdown(headline.headline_rows(_views.scenario_views([NEW, GPU])))
+    lines = md.splitlines()
+    assert lines[0] == ("| MiB peak / kept | no reclaim | verl 0.8.0 | verl 0.9.1 | "
+                        "Megatron-LM #6339 | miles #2862 gc.collect | ours | run |")
+    assert len(lines) == 2 + sum(c.in_readme for c in headline.HEADLINES)
+    assert ("| checkpointed stack, chunked MTP input (cpu) | 40.00 / -- | crashed (SIGSEGV) | "
+            "34.00 / -- | -- | -- | 32.00 / -- | 22222222 11-02 00:00 |") in lines
+    assert ("| MoE GPT, H=2048 S=4096 fp32 (gpu-h200) | 8000.0 / -- | 7840.0 / -- | not run | "
+            "not run | not run | 7840.0 / -- | 33333333 11-03 00:00 |") in lines
+
+
+def test_every_figure_the_readme_leaves_out_is_on_the_dashboard():
+    """One size per model in the README; every headline cell in the dashboard's table, one row
+    per strategy with ours against it."""
+    small = "megatron-scale/moe/1024x2048/fp32"
+    both = run("5555555555", "2026-11-05T00:00:00", *(
+        bench(scn, s, kind="gpu-h200", peak_bytes=p * MiB, retained_bytes=k * MiB)
+        for scn in (small, "megatron-scale/moe/2048x4096/fp32")
+        for s, p, k in (("none", 1506, 257), ("verl-0.8.0", 1466, 193), ("ours", 1466, 192))))
+    rows = headline.headline_rows(_views.scenario_views([both]))
+    md = headline.readme_markdown(rows)
+    assert "H=1024" not in md and "| MoE GPT, H=2048 S=4096 fp32 (gpu-h200) | 1506.0 / 257.00 |" in md
+    page = dashboard.summary_table(rows)
+    assert page.count("MoE GPT, H=1024 S=2048 fp32") == 1
+    assert page.count("<td>1506.0</td>") == 2 and "0.973 (-40.00)" in page
+
+
 def test_cli_writes_the_page_and_only_the_readme_block(tmp_path, capsys):
     result = tmp_path / "run.json"
     result.write_text(json.dumps({"benchmarks": [b for b in (
@@ -199,7 +230,7 @@ def test_cli_writes_the_page_and_only_the_readme_block(tmp_path, capsys):
     assert out.read_text().startswith("<!doctype html>")
     text = readme.read_text()
     assert text.startswith("# top\nhand text\n") and text.endswith(f"{headline.README_END}\ntail\n")
-    assert "old table" not in text and "| 8000.0 |" in text
+    assert "old table" not in text and "| 8000.0 / -- |" in text
     readme.write_text("no markers\n")
     assert dashboard.main([str(result), "-o", str(out), "--readme", str(readme)]) == 2
     assert "no '<!-- headline:begin" in capsys.readouterr().err

@@ -34,7 +34,7 @@ def test_the_generator_rewrites_only_its_block(tmp_path):
     path = readme(tmp_path)
     assert headline.main(["--readme", str(path)]) == 0
     text = path.read_text()
-    assert text.startswith(f"# title\nprose\n{headline.README_BEGIN}\n| what | device |")
+    assert text.startswith(f"# title\nprose\n{headline.README_BEGIN}\n| MiB peak / kept |")
     assert text.endswith(f"{headline.README_END}\nmore\n") and "stale table" not in text
     assert headline.main(["--readme", str(path), "--check"]) == 0
 

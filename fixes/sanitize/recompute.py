@@ -387,7 +387,8 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
     one that does not recur there, or a region not run again before exit, is raised
     unlocated. ``"sampled"``: every ``sample_every``-th region of a call site, rotating each
     round; ``"none"``: none. Both raise unlocated at the end of the backward that found it.
-    A count or metadata difference (torch itself fails on it) is raised at once, unlocated.
+    A count or metadata difference (torch itself fails on it) is raised at once, unlocated
+    (an unlocated error's ``what`` is ``Divergence.UNLOCATED``, ``"not located"``).
     A reentrant region entered with grad whose inputs none require grad, reaching trainable
     parameters, raises when its forward ends (never recomputed). ValueError for anything
     else."""
