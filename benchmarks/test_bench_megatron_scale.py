@@ -88,7 +88,9 @@ def _params(strategies=ms.STRATEGIES, models=None):
 
 
 def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
-    """One child per (device, model, strategy) and session, every size and dtype in it."""
+    """One child per (device, model, strategy, size) and session, every dtype in it: a
+    session selected by size (``-k 2048x4096``, as ``ci/gpu_run.py refresh`` splits them)
+    starts no child for the other size."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     if strategy.startswith("verl-"):
         from repro.verl_release import missing_release
@@ -105,9 +107,10 @@ def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
             pytest.skip(f"needs {ep} GPUs (one expert-parallel rank each); "
                         f"torch.cuda.device_count() is {torch.cuda.device_count()}")
     plan = PLAN[device]
-    cells = book.get(("megatron-scale", device, model, strategy), lambda: ms.cells_in_child(
-        base, strategy, device, plan["sizes"], plan["dtypes"],
-        timed_steps(device, model, strategy), ep=ep))
+    cells = book.get(("megatron-scale", device, model, strategy, hidden, seq),
+                     lambda: ms.cells_in_child(base, strategy, device, [(hidden, seq)],
+                                               plan["dtypes"], timed_steps(device, model, strategy),
+                                               ep=ep))
     for c in cells:
         if "hidden" not in c:
             raise RuntimeError(f"{model}/{strategy} on {device}: {c['error']}")

@@ -147,14 +147,19 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
         # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
         "refresh": [
-            *(Step(f"bench-gpu-megatron-{model}", [
-                *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k", select,
-                "-p", "no:xdist", "-q", f"--benchmark-json={o(f'bench-gpu-megatron-{model}.json')}"],
-                330, json=f"bench-gpu-megatron-{model}.json")
+            *(Step(f"bench-gpu-megatron-{model}-{size}", [
+                *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
+                f"({select}) and {size}", "-p", "no:xdist", "-q",
+                f"--benchmark-json={o(f'bench-gpu-megatron-{model}-{size}.json')}"],
+                330, json=f"bench-gpu-megatron-{model}-{size}.json")
               for model, select in (("moe", "moe- and not kept and not ep2"),
-                                    ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))),
+                                    ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
+              for size in ("1024x2048", "2048x4096")),
+            # -v and a traceback of every thread of a test still running after 120 s: this
+            # session was cut at its limit twice with nothing to say where it stood
             Step("bench-gpu-stack", [
-                *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-q",
+                *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-v",
+                "-o", "faulthandler_timeout=120",
                 "--ignore=benchmarks/test_bench_megatron_scale.py",
                 "--ignore=benchmarks/test_bench_sanitize.py",
                 f"--benchmark-json={o('bench-gpu-stack.json')}"], 330, json="bench-gpu-stack.json"),

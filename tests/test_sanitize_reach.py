@@ -48,6 +48,7 @@ def test_kept_walks_reuse_the_last_walk_until_a_fresh_one():
     model[0].late = torch.ones(3)  # attached after the walk
     kept = walks.reached([model], fresh=False)
     assert {id(t) for t in kept} == {id(t) for t in first}
+    walks.new_round()
     fresh = walks.reached([model], fresh=True)
     assert id(model[0].late) in {id(t) for t in fresh}
     # arguments are new every call: never taken from the kept walk
@@ -100,3 +101,14 @@ def test_a_small_tensor_that_changes_shape_or_a_parameter_written_in_place_is_se
     assert [bool(f) for f in state.flags()] == [True]
     assert [u for u, _ in state.changed()][:1] == [t]
     assert not _reach.State.restore(t, state.changed()[0][1])  # another size: not restorable
+
+
+def test_a_fresh_walk_is_done_once_a_round_for_one_set_of_modules():
+    model = _model(_Config())
+    walks = _reach.Walks()
+    walks.reached([model], fresh=True)
+    model[0].late = torch.ones(3)
+    # another region of the same round, same modules (megatron's layers share the block)
+    assert id(model[0].late) not in {id(t) for t in walks.reached([model], fresh=True)}
+    walks.new_round()
+    assert id(model[0].late) in {id(t) for t in walks.reached([model], fresh=True)}

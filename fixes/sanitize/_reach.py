@@ -10,8 +10,9 @@ the detect tier's check of writes outside the region (``_detect``).
 * ``Walks``: the walk of a region's modules (their subtrees and attributes: the costly part)
   kept per set of modules, and redone when the caller asks (``fresh``: the sanitizer asks for
   every region in ``values="all"``, and for every ``sample_every``-th region of a call site,
-  rotating, in the other modes). Between two walks the tensors the last one found are
-  checked: a tensor attached to a module after it is seen from the next walk on.
+  rotating, in the other modes), once a round at most. Between two walks the tensors the
+  last one found are checked: a tensor attached to a module after it is seen from the next
+  walk on.
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
@@ -48,23 +49,32 @@ def reached(roots) -> list[torch.Tensor]:
 
 
 class Walks:
-    """The walks of modules, kept per set of modules (see the module docstring)."""
+    """The walks of modules, kept per set of modules (see the module docstring). A fresh walk
+    is done at most once per set of modules and round (``new_round``: the sanitizer's, after
+    each backward): the regions of one call site (megatron's layers, each checkpointed with
+    the whole block in its closure) share one walk a step."""
 
     def __init__(self):
-        # module ids -> (the modules, the tensors the walk found), weakly
-        self._kept: dict[tuple[int, ...], tuple[list, list]] = {}
+        # module ids -> (the modules, the tensors the walk found, both weakly; its round)
+        self._kept: dict[tuple[int, ...], tuple[list, list, int]] = {}
+        self._round = 0
+
+    def new_round(self) -> None:
+        self._round += 1
 
     def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
         tensors, modules = _roots(roots)
         key = tuple(modules)
-        kept = None if fresh else self._kept.get(key)
-        if kept is not None and all(r() is m for r, m in zip(kept[0], modules.values(),
-                                                             strict=True)):
+        kept = self._kept.get(key)
+        if kept is not None and (fresh and kept[2] != self._round or not all(
+                r() is m for r, m in zip(kept[0], modules.values(), strict=True))):
+            kept = None
+        if kept is not None:
             found = [t for r in kept[1] if (t := r()) is not None]
         else:
             found = _walk(list(modules.values()))
             self._kept[key] = ([weakref.ref(m) for m in modules.values()],
-                               [weakref.ref(t) for t in found])
+                               [weakref.ref(t) for t in found], self._round)
         for t in found:
             tensors.setdefault(id(t), t)
         return list(tensors.values())

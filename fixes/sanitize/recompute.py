@@ -172,6 +172,7 @@ class RecomputeSanitizer:
         pending, self._pending = self._pending, []
         if not pending:
             return
+        self._walks.new_round()  # a backward ended: the next forwards walk their modules anew
         flags: dict = {}
         suspects: set[int] = set()
         for i, check in enumerate(pending):
