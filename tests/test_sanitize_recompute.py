@@ -595,6 +595,37 @@ def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
         gc.enable()
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_judged_regions_input_goes_with_its_backward_without_the_cycle_collector(reentrant):
+    """The region's input (an activation: the chunk view the recompute reclaim lets go of) is
+    freed when the backward is done, as without the sanitizer: the walk of the tensors a region
+    reaches (judged for writes outside it) leaves no reference cycle holding them. It did, and
+    the cycle kept the input's storage until the collector ran (repro shared-view-reclaim under
+    every sanitizer: "the shared storage outlived the backward")."""
+    import gc
+
+    layer = torch.nn.Linear(8, 8)
+
+    def step() -> int:
+        h = torch.randn(4, 16, requires_grad=True) * 2
+        y = checkpoint(layer, torch.chunk(h, 2, dim=-1)[1], use_reentrant=reentrant)
+        weak = h.untyped_storage()._weak_ref()
+        del h
+        y.sum().backward()
+        return weak
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert torch.UntypedStorage._expired(step())  # the control: without the sanitizer
+        with recompute_sanitizer(values="none") as sanitizer:
+            weak = step()
+            assert sanitizer.recomputes == 1
+            assert torch.UntypedStorage._expired(weak)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("change", ["values", "shape"])
 def test_a_users_except_checkpoint_error_catches_the_sanitizers_error(change):
     """Where torch's checkpoint raises ``CheckpointError`` (a recompute that saves other
