@@ -178,7 +178,11 @@ def _reached(roots) -> list[torch.Tensor]:
             for t in (*sub._parameters.values(), *sub._buffers.values()):
                 if t is not None and type(t) in _PLAIN:
                     tensors.setdefault(id(t), t)
-    return list(tensors.values())
+    found = list(tensors.values())
+    # visit and attribute call themselves through their closure cells: a reference cycle that
+    # would keep every tensor reached (the region's inputs) until the cycle collector runs.
+    visit = attribute = None
+    return found
 
 
 def _small(t: torch.Tensor) -> bool:
