@@ -595,6 +595,46 @@ def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
         gc.enable()
 
 
+@pytest.mark.parametrize("tier", ["detect", "locate"])
+def test_a_recompute_judged_different_leaves_nothing_for_the_cycle_collector(tier):
+    """The same when the verdict is an error (caught, as a training loop or a test runner
+    does): the early-stopped recompute's tensors go with it. ``detect``: a shape difference,
+    raised at once by the detect tier; ``locate``: a value difference, raised by the locator's
+    op stream on the next round (values="all")."""
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+    w = torch.randn(8, 8, requires_grad=True)
+    state = {"n": 8, "scale": 1.0}
+
+    def f(x):
+        h = (x @ w)[:, : state["n"]].sin() * state["scale"]
+        made.append(weakref.ref(h))
+        return h.cos()
+
+    def step():
+        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+        state.update(n=4) if tier == "detect" else state.update(scale=state["scale"] + 1)
+        y.backward()
+
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            with recompute_sanitizer(values="none" if tier == "detect" else "all"):
+                for _ in range(2):
+                    step()
+        except RecomputeMismatchError as error:
+            assert error.what == ("not located" if tier == "detect" else "values")
+        else:
+            raise AssertionError("no RecomputeMismatchError")
+        assert len(made) == (2 if tier == "detect" else 4)  # forwards' and recomputes'
+        assert [r() is None for r in made] == [True] * len(made)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_a_judged_regions_input_goes_with_its_backward_without_the_cycle_collector(reentrant):
     """The region's input (an activation: the chunk view the recompute reclaim lets go of) is
