@@ -542,6 +542,9 @@ def test_the_sanitizers_keep_nothing_the_reclaim_lets_go():
 
     graph = plain_graph(chain=["chunk"], viewless=True, leak=True)
     params, x, holders = _params("cpu"), torch.randn(4, 8), _Holders()
+    # The first checkpoint call in a process imports torch._dynamo, whose import frames
+    # (holding the call's arguments) wait for the collector: made before it is turned off.
+    tcp.checkpoint(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True).backward()
     apply_recompute_reclaim_patch(TARGET)
     gc.collect()
     gc.disable()

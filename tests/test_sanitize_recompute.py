@@ -595,6 +595,19 @@ def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
         gc.enable()
 
 
+def _collector_off():
+    """The cycle collector off, after one checkpoint call of each kind: the first call in a
+    process imports torch._dynamo, an import that leaves its frames (holding the call's
+    arguments) to the collector."""
+    import gc
+
+    x = torch.randn(2, 2, requires_grad=True)
+    for reentrant in (True, False):
+        checkpoint(torch.sin, x, use_reentrant=reentrant).sum().backward()
+    gc.collect()
+    gc.disable()
+
+
 @pytest.mark.parametrize("tier", ["detect", "locate"])
 def test_a_recompute_judged_different_leaves_nothing_for_the_cycle_collector(tier):
     """The same when the verdict is an error (caught, as a training loop or a test runner
@@ -618,8 +631,7 @@ def test_a_recompute_judged_different_leaves_nothing_for_the_cycle_collector(tie
         state.update(n=4) if tier == "detect" else state.update(scale=state["scale"] + 1)
         y.backward()
 
-    gc.collect()
-    gc.disable()
+    _collector_off()
     try:
         try:
             with recompute_sanitizer(values="none" if tier == "detect" else "all"):
@@ -654,8 +666,7 @@ def test_a_judged_regions_input_goes_with_its_backward_without_the_cycle_collect
         y.sum().backward()
         return weak
 
-    gc.collect()
-    gc.disable()
+    _collector_off()
     try:
         assert torch.UntypedStorage._expired(step())  # the control: without the sanitizer
         with recompute_sanitizer(values="none") as sanitizer:
