@@ -532,6 +532,35 @@ def test_leaked_recompute_input_is_let_go_at_once():
         holders.clear()
 
 
+@pytest.mark.cpu
+def test_the_sanitizers_keep_nothing_the_reclaim_lets_go():
+    """Under all the sanitizers at once, with the cycle collector off, the leaked chunk view's
+    copy is released and h's memory goes with the backward, as without them (the repros
+    shared-view-reclaim*: the recompute sanitizer kept the region's input in a reference
+    cycle, so the shared storage outlived the backward)."""
+    from fixes.sanitize import mesh_sanitizer, recompute_sanitizer, storage_sanitizer
+
+    graph = plain_graph(chain=["chunk"], viewless=True, leak=True)
+    params, x, holders = _params("cpu"), torch.randn(4, 8), _Holders()
+    # The first checkpoint call in a process imports torch._dynamo, whose import frames
+    # (holding the call's arguments) wait for the collector: made before it is turned off.
+    tcp.checkpoint(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True).backward()
+    apply_recompute_reclaim_patch(TARGET)
+    gc.collect()
+    gc.disable()
+    try:
+        with (storage_sanitizer(), mesh_sanitizer(), recompute_sanitizer() as sanitizer,
+              recompute_reclaim_events() as events):
+            weak_h, _ = _step(graph, params, x, holders)
+            assert sanitizer.recomputes == 1
+            assert [(e.role, e.action) for e in events] == [("input", "released")]
+            assert storage_gone(weak_h)
+    finally:
+        gc.enable()
+        remove_recompute_reclaim_patch(TARGET)
+        holders.clear()
+
+
 def _leaves(outs) -> list:
     """Every non-parameter leaf the graphs of ``outs`` reach (``AccumulateGrad.variable``)."""
     seen, leaves, stack = set(), [], [o.grad_fn for o in outs]

@@ -66,20 +66,6 @@ def test_fixed_path_passes_under_the_sanitizers(repro, device):
     _check_path(repro, device, fixed=True, sanitized=True)
 
 
-# Known defect (found when the release-unheld reclaim and the recompute sanitizer's detect tier
-# met; not yet mended): with the storage and recompute sanitizers on together (each alone
-# passes), the reclaim sometimes finds the chunk view's detached copy still held at the end of
-# megatron's backward (a reference the cycle collector has not yet cleared) and keeps it, so the
-# shared storage outlives the backward: seen on the H200 for all three repros and on CPU in
-# about one run of two. Not strict: it passes when the collector ran first.
-_SANITIZED_RECLAIM_HELD = pytest.mark.xfail(
-    strict=False, reason="storage + recompute sanitizers together can leave the reclaim a holder "
-    "of the detached copy (held, not released): the shared storage outlives the backward")
-EVERY_SANITIZER_CASES = [
-    pytest.param(*case.values, id=case.id, marks=(*case.marks, _SANITIZED_RECLAIM_HELD))
-    if case.values[0].name.startswith("shared-view-reclaim") else case for case in CASES]
-
-
-@pytest.mark.parametrize("repro,device", EVERY_SANITIZER_CASES)
+@pytest.mark.parametrize("repro,device", CASES)
 def test_fixed_path_passes_under_every_sanitizer(repro, device):
     _check_path(repro, device, fixed=True, sanitized=True, sanitizers=SANITIZERS)

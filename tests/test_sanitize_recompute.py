@@ -595,6 +595,88 @@ def test_a_judged_recompute_leaves_nothing_for_the_cycle_collector(early_stop):
         gc.enable()
 
 
+def _collector_off():
+    """The cycle collector off, after one checkpoint call of each kind: the first call in a
+    process imports torch._dynamo, an import that leaves its frames (holding the call's
+    arguments) to the collector."""
+    import gc
+
+    x = torch.randn(2, 2, requires_grad=True)
+    for reentrant in (True, False):
+        checkpoint(torch.sin, x, use_reentrant=reentrant).sum().backward()
+    gc.collect()
+    gc.disable()
+
+
+@pytest.mark.parametrize("tier", ["detect", "locate"])
+def test_a_recompute_judged_different_leaves_nothing_for_the_cycle_collector(tier):
+    """The same when the verdict is an error (caught, as a training loop or a test runner
+    does): the early-stopped recompute's tensors go with it. ``detect``: a shape difference,
+    raised at once by the detect tier; ``locate``: a value difference, raised by the locator's
+    op stream on the next round (values="all")."""
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+    w = torch.randn(8, 8, requires_grad=True)
+    state = {"n": 8, "scale": 1.0}
+
+    def f(x):
+        h = (x @ w)[:, : state["n"]].sin() * state["scale"]
+        made.append(weakref.ref(h))
+        return h.cos()
+
+    def step():
+        y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum()
+        state.update(n=4) if tier == "detect" else state.update(scale=state["scale"] + 1)
+        y.backward()
+
+    _collector_off()
+    try:
+        try:
+            with recompute_sanitizer(values="none" if tier == "detect" else "all"):
+                for _ in range(2):
+                    step()
+        except RecomputeMismatchError as error:
+            assert error.what == ("not located" if tier == "detect" else "values")
+        else:
+            raise AssertionError("no RecomputeMismatchError")
+        assert len(made) == (2 if tier == "detect" else 4)  # forwards' and recomputes'
+        assert [r() is None for r in made] == [True] * len(made)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_judged_regions_input_goes_with_its_backward_without_the_cycle_collector(reentrant):
+    """The region's input (an activation: the chunk view the recompute reclaim lets go of) is
+    freed when the backward is done, as without the sanitizer: the walk of the tensors a region
+    reaches (judged for writes outside it) leaves no reference cycle holding them. It did, and
+    the cycle kept the input's storage until the collector ran (repro shared-view-reclaim under
+    every sanitizer: "the shared storage outlived the backward")."""
+    import gc
+
+    layer = torch.nn.Linear(8, 8)
+
+    def step() -> int:
+        h = torch.randn(4, 16, requires_grad=True) * 2
+        y = checkpoint(layer, torch.chunk(h, 2, dim=-1)[1], use_reentrant=reentrant)
+        weak = h.untyped_storage()._weak_ref()
+        del h
+        y.sum().backward()
+        return weak
+
+    _collector_off()
+    try:
+        assert torch.UntypedStorage._expired(step())  # the control: without the sanitizer
+        with recompute_sanitizer(values="none") as sanitizer:
+            weak = step()
+            assert sanitizer.recomputes == 1
+            assert torch.UntypedStorage._expired(weak)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("change", ["values", "shape"])
 def test_a_users_except_checkpoint_error_catches_the_sanitizers_error(change):
     """Where torch's checkpoint raises ``CheckpointError`` (a recompute that saves other

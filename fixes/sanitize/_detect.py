@@ -254,7 +254,11 @@ class Watch:
                     self._recompute = self._state = None
                     raise
                 stop = exc
-            self._judge_saved()
+            try:
+                self._judge_saved()
+            except BaseException:
+                stop = None  # (see below) the error must not keep the stopped recompute either
+                raise
             if stop is not None:
                 try:  # no local left holding the exception whose traceback holds this frame
                     raise stop

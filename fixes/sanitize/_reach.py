@@ -129,6 +129,10 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
 
     for root in roots:
         visit(root, 0)
+    # ``visit`` calls itself through its closure: a reference cycle holding every tensor the
+    # region reaches (its input: a chunk view the reclaim let go of kept its storage) until
+    # the cycle collector runs. Broken here.
+    visit = None
     return tensors, modules
 
 
@@ -172,6 +176,7 @@ def _walk(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
             for t in (*sub._parameters.values(), *sub._buffers.values()):
                 if t is not None:
                     tensor(t)
+    attribute = None  # a cycle through its closure, as ``visit``'s in _roots
     return list(tensors.values())
 
 

@@ -404,7 +404,11 @@ class Region:
                 stop = exc
             replay, self.pending = self.pending, None
             if replay is not None:
-                replay.judge()
+                try:
+                    replay.judge()
+                except BaseException:
+                    stop = None  # (see below) the error must not keep the stopped recompute
+                    raise
             if stop is not None:
                 # The early stop re-raised without its own frame keeping it: a local that
                 # holds the exception whose traceback holds this frame is a cycle, and the
