@@ -7,8 +7,10 @@ in-process, asserting what was compared (regions, recomputes, ops)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -675,6 +677,40 @@ def test_a_judged_regions_input_goes_with_its_backward_without_the_cycle_collect
             assert torch.UntypedStorage._expired(weak)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("values", ["all", "none"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_recomputed_layers_input_is_not_held_until_the_backward_ends(reentrant, values):
+    """A chain of checkpointed layers: once a layer's backward is done its input (the previous
+    layer's output) goes, as without the sanitizer -- the sanitizer's check of writes outside
+    the region read its version counters when the recompute ended. It held every layer's
+    input (and every parameter) until the backward's end, for the one synchronisation there:
+    the backward's peak grew by every checkpointed layer's input."""
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    seen: dict[str, list[bool]] = {}
+
+    def step(name: str) -> None:
+        # 128 KiB: above what the sanitizer compares by value (and keeps) as small state
+        x = torch.randn(512, 64, requires_grad=True)
+        h, inputs = x, []
+        for layer in layers:
+            inputs.append(weakref.ref(h))
+            h = checkpoint(layer, h, use_reentrant=reentrant)
+        # when x's gradient arrives, every later layer's backward is done: their inputs gone
+        x.register_hook(lambda g: seen.__setitem__(name, [r() is None for r in inputs[1:]]))
+        h.sum().backward()
+
+    _collector_off()
+    try:
+        step("control")
+        with recompute_sanitizer(values=values) as sanitizer:
+            step("sanitized")
+        assert sanitizer.recomputes == 4
+    finally:
+        gc.enable()
+    assert seen["control"] == [True, True, True]
+    assert seen["sanitized"] == seen["control"]
 
 
 @pytest.mark.parametrize("change", ["values", "shape"])

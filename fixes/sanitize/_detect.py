@@ -321,6 +321,8 @@ class Watch:
         if found is not None:
             self.found(self, found)
             return
+        if state is not None:
+            state.settle()
         self.stats.defer(_Check(self, recompute, state))
 
     def _shape_difference(self, tensors, stopped) -> tuple[Detection | None, _Side | None]:

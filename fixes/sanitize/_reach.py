@@ -230,6 +230,14 @@ class State:
                            else (now != before).any())
         return out
 
+    def settle(self) -> None:
+        """Read the version counters now (the recompute has just ended) and let go of every
+        tensor whose counter did not move: a region's inputs and parameters are not held
+        until the backward's end (that raised the backward's peak by every checkpointed
+        layer's input), and a write after the recompute (by the backward itself) is not
+        taken for the recompute's."""
+        self.versions = [(t, v) for t, v in self.versions if t._version != v]
+
     def host_changed(self) -> bool:
         return any(t._version != v for t, v in self.versions)
 
