@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
-from fixes.sanitize import _intended
+from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Divergence, RecomputeMismatchError, Verdict
 
@@ -243,11 +243,9 @@ class _Side:
 
 def _side(tensors: list[torch.Tensor], printed: bool, tolerant: bool) -> _Side:
     side = _Side([(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
-    if printed:
-        side.prints = [fp.fingerprint([t]) if _valued(t) else None for t in tensors]
-        if tolerant:
-            side.loose = [fp.fingerprint([t], tolerant=True) if _valued(t) else None
-                          for t in tensors]
+    if printed:  # one kernel per device (``_fused``)
+        side.prints, side.loose = _fused.prints([t if _valued(t) else None for t in tensors],
+                                                tolerant)
     return side
 
 

@@ -206,12 +206,15 @@ def _float_weights(n: int, device: torch.device) -> torch.Tensor:
 class Print:
     """The fingerprint of some tensors: ``exact`` 0-d int64 tensors, and for a tolerant print
     ``approx`` 0-d float64 tensors with, per entry, the multiple of the tensor's forward norm
-    it may move by (``scales``) and where that norm is in ``approx`` (``norms``)."""
+    it may move by (``scales``) and where that norm is in ``approx`` (``norms``); ``roots``:
+    the entries of ``approx`` that hold a square (compared, and used as a norm, by their root:
+    ``_fused`` sums squares where a kernel cannot take the root after its last block)."""
 
     exact: list[torch.Tensor] = field(default_factory=list)
     approx: list[torch.Tensor] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     norms: list[int] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device | None:
@@ -338,6 +341,7 @@ def first_different(pairs: list[tuple[Print | None, Print | None]]) -> int | Non
 
 def _first_in_group(pairs, indices: list[int], device) -> int | None:
     owner_exact, owner_approx, fe, re, fa, ra, scale, norm_of = [], [], [], [], [], [], [], []
+    roots: list[int] = []
     for i in indices:
         a, b = pairs[i]
         owner_exact += [i] * len(a.exact)
@@ -350,6 +354,7 @@ def _first_in_group(pairs, indices: list[int], device) -> int | None:
             ra += b.approx
             scale += a.scales
             norm_of += [base + k for k in a.norms]
+            roots += [base + k for k in a.roots]
     big = torch.iinfo(torch.int64).max
     candidates = []
     if fe:
@@ -358,6 +363,9 @@ def _first_in_group(pairs, indices: list[int], device) -> int | None:
         candidates.append(torch.where(bad, owners, big).min())
     if fa:
         f, r = torch.stack(fa), torch.stack(ra)
+        if roots:
+            at = torch.tensor(roots, dtype=torch.int64, device=device)
+            f, r = f.index_copy(0, at, f[at].sqrt()), r.index_copy(0, at, r[at].sqrt())
         norms = f[torch.tensor(norm_of, dtype=torch.int64, device=device)]
         tol = torch.tensor(scale, dtype=torch.float64, device=device) * norms
         bad = ~((f == r) | ((f - r).abs() <= tol))
