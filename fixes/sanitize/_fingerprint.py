@@ -2,7 +2,9 @@
 
 A fingerprint (``Print``) is a handful of 0-d tensors on the tensor's device, computed by
 queued kernels (no host synchronisation); comparisons stack many at once (``first_different``:
-one synchronisation per device).
+one synchronisation per device). This module prints the locator's op stream, one op at a time;
+the detect tier prints a whole region side at once with ``_fused`` (the same guarantees, by a
+hash of each element with its position: one kernel per side on CUDA).
 
 * Exact (the default): the tensor's bits, read as integers of its element width (every dtype:
   float8 and the other 1-byte floats, sub-byte and bool as bytes, complex through its real

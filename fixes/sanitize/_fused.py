@@ -151,8 +151,18 @@ def _torch_rows(real: list[torch.Tensor], summed: list[bool]) -> list:
             batch.append(piece)
             size += piece[1].numel()
         _torch_batch(batch, width, dtype if summing else None, out, sums)
-    return [(out[j, 0], out[j, 1], *sums[j]) if summed[j] else (out[j, 0],)
-            for j in range(len(real))]
+    return _rows(out, sums, summed)
+
+
+def _rows(ints: torch.Tensor, floats: torch.Tensor, summed: list[bool]) -> list:
+    """Per tensor its results as 0-d views: (exact,) or (exact, non-finite, sum, sum of
+    squares, weighted sum); a few ``unbind`` calls rather than an indexing op per result."""
+    exact = ints[:, 0].unbind()
+    if not any(summed):
+        return [(e,) for e in exact]
+    odd, sums = ints[:, 1].unbind(), floats.unbind(0)
+    return [(exact[j], odd[j], *sums[j].unbind()) if summed[j] else (exact[j],)
+            for j in range(len(exact))]
 
 
 def _torch_batch(batch: list, width: int, summing, out: torch.Tensor,
@@ -252,7 +262,6 @@ def _dims(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
             continue
         if sizes and stride == strides[0] * sizes[0]:
             sizes[0] *= size
-            strides[0] = strides[0]
             continue
         sizes.insert(0, size)
         strides.insert(0, stride)
@@ -305,9 +314,7 @@ def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
         kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
     del held
     res = buf[out_at:].view(n, NOUT)
-    floats = res[:, 2:].view(torch.float64)
-    return [(res[j, 0], res[j, 1], *floats[j]) if summed[j] else (res[j, 0],)
-            for j in range(n)]
+    return _rows(res[:, :2], res[:, 2:].view(torch.float64), summed)
 
 
 def _interpreted():
