@@ -172,22 +172,36 @@ def test_the_torch_path_batches_by_dtype_not_by_tensor(monkeypatch):
     assert [_key(p) for p in _fused.prints(side)[0]] == whole
 
 
-@pytest.mark.cpu
-@pytest.mark.skipif(_NO_TRITON, reason="triton is not installed")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: int64 products wrap (meant)
-def test_the_kernel_in_triton_s_interpreter_gives_the_torch_path_s_prints():
-    """The definition is one: the Triton kernel (interpreted, on CPU tensors; small programs so
-    that a tensor spans several) and the torch path print a side alike, exact parts equal,
-    sums equal to float64 rounding."""
-    side = _layouts()
+def _interpreted_equals_torch_path(side: list[torch.Tensor]) -> None:
     want, want_loose = _fused.prints(side, tolerant=True)
-    got, got_loose = _fused.kernel_prints(side, tolerant=True, chunk=64, block=16)
+    got, got_loose = _fused.kernel_prints(side, tolerant=True, chunk=64, block=32)
     assert [_key(p) for p in got] == [_key(p) for p in want]
     for a, b in zip(want_loose, got_loose, strict=True):
         assert _key(a) == _key(b) and len(a.approx) == len(b.approx)
         for x, y in zip(a.approx, b.approx, strict=True):
             assert float(x) == pytest.approx(float(y), rel=1e-12, abs=1e-12)
     assert fp.first_different(list(zip(want_loose, got_loose, strict=True))) is None
+
+
+@pytest.mark.cpu
+@pytest.mark.skipif(_NO_TRITON, reason="triton is not installed")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: int64 products wrap (meant)
+def test_the_kernel_in_triton_s_interpreter_gives_the_torch_path_s_prints():
+    """The definition is one: the Triton kernel (interpreted, on CPU tensors; small programs so
+    that a tensor spans several) and the torch path print a side alike, exact parts equal,
+    sums equal to float64 rounding. Every element width and float kind, strided and 5-d views,
+    complex, NaN and inf (every dtype: the deep test below)."""
+    widths = [_sample(d, (3, 13)) for d in (torch.bool, torch.int16, torch.float16,
+                                             torch.int32, torch.int64, torch.float8_e4m3fn)]
+    _interpreted_equals_torch_path(widths + _layouts()[-7:])
+
+
+@pytest.mark.cpu
+@pytest.mark.deep
+@pytest.mark.skipif(_NO_TRITON, reason="triton is not installed")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_the_kernel_in_triton_s_interpreter_gives_the_torch_path_s_prints_for_every_dtype():
+    _interpreted_equals_torch_path(_layouts())
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
