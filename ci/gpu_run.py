@@ -107,6 +107,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-k", "megatron and fp32",
             "-p", "no:xdist", "-s", f"--benchmark-json={o('bench-gpu-sanitize-megatron.json')}"],
             300, json="bench-gpu-sanitize-megatron.json")],
+        # the detect tier's fused print (one Triton kernel per region side): its gpu tests,
+        # then one MoE layer's saved tensors printed fused and per tensor (fp32, bf16)
+        "fused-print": [
+            Step("pytest-gpu-fused-print", [*PYTEST, "tests/test_sanitize_fused_print.py",
+                                            "-m", "gpu", "-p", "no:xdist", "-q"], 300),
+            Step("fused-print-moe-layer", [
+                PY, "-m", "benchmarks.fused_print", "--device", "cuda", "--size", "1024x2048",
+                "--dtypes", "fp32,bf16", "--json", o("fused-print.json")], 300,
+                json="fused-print.json")],
         # where a sanitized step's host time goes on the real MoE GPT (cProfile per values
         # mode; aux loss off and on, full and MoE-layer recompute)
         "sanitizer-profile": [Step(f"sanitize-moe-{name}", [

@@ -331,7 +331,7 @@ def test_float8_values_do_not_crash(values):
 def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch):
     """A failure inside the sanitizer's recording is reported as a warning; the user's forward
     and backward run on with the gradients they have without the sanitizer."""
-    from fixes.sanitize import _fingerprint
+    from fixes.sanitize import _fused
 
     def broken(*args, **kwargs):
         raise RuntimeError("fingerprint kernel failed")
@@ -345,7 +345,7 @@ def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch):
         return [x.grad, w.grad]
 
     reference = _grads(step)
-    monkeypatch.setattr(_fingerprint, "fingerprint", broken)
+    monkeypatch.setattr(_fused, "prints", broken)  # the detect tier's prints
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with recompute_sanitizer() as sanitizer:

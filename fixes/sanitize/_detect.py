@@ -10,7 +10,8 @@ Per region (a ``Watch``):
   side left it) or its outputs (reentrant: the forward runs without grad and saves nothing);
   compared by count, metadata and, when the region is printed (``all``: every region;
   ``sampled``: every k-th region of a call site, rotating; ``none``: none), by fingerprint
-  (``_fingerprint``: position-weighted integer sums, one host synchronisation per device);
+  (``_fused``: a hash of each element's bits with its position, one kernel per side and
+  device, one host synchronisation per device after the backward);
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
   hold) -- small non-parameter ones by their contents before and after (batch norm updates its
@@ -42,7 +43,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fixes.sanitize import _fingerprint as fp
-from fixes.sanitize import _intended
+from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Divergence, RecomputeMismatchError, Verdict
 from fixes.sanitize._reach import State, Walks, reached
@@ -129,12 +130,10 @@ class _Side:
 
 def _side(tensors: list[torch.Tensor], printed: bool, tolerant: bool) -> _Side:
     side = _Side([(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
-    if printed:
+    if printed:  # one kernel per device (``_fused``)
         cuda = any(t.device.type == "cuda" for t in tensors)
-        side.prints = [fp.fingerprint([t]) if _valued(t, cuda) else None for t in tensors]
-        if tolerant:
-            side.loose = [fp.fingerprint([t], tolerant=True) if _valued(t, cuda) else None
-                          for t in tensors]
+        side.prints, side.loose = _fused.prints(
+            [t if _valued(t, cuda) else None for t in tensors], tolerant)
     return side
 
 

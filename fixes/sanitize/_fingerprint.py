@@ -2,7 +2,9 @@
 
 A fingerprint (``Print``) is a handful of 0-d tensors on the tensor's device, computed by
 queued kernels (no host synchronisation); comparisons stack many at once (``first_different``:
-one synchronisation per device).
+one synchronisation per device). This module prints the locator's op stream, one op at a time;
+the detect tier prints a whole region side at once with ``_fused`` (the same guarantees, by a
+hash of each element with its position: one kernel per side on CUDA).
 
 * Exact (the default): the tensor's bits, read as integers of its element width (every dtype:
   float8 and the other 1-byte floats, sub-byte and bool as bytes, complex through its real
@@ -206,12 +208,15 @@ def _float_weights(n: int, device: torch.device) -> torch.Tensor:
 class Print:
     """The fingerprint of some tensors: ``exact`` 0-d int64 tensors, and for a tolerant print
     ``approx`` 0-d float64 tensors with, per entry, the multiple of the tensor's forward norm
-    it may move by (``scales``) and where that norm is in ``approx`` (``norms``)."""
+    it may move by (``scales``) and where that norm is in ``approx`` (``norms``); ``roots``:
+    the entries of ``approx`` that hold a square (compared, and used as a norm, by their root:
+    ``_fused`` sums squares where a kernel cannot take the root after its last block)."""
 
     exact: list[torch.Tensor] = field(default_factory=list)
     approx: list[torch.Tensor] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     norms: list[int] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device | None:
@@ -338,6 +343,7 @@ def first_different(pairs: list[tuple[Print | None, Print | None]]) -> int | Non
 
 def _first_in_group(pairs, indices: list[int], device) -> int | None:
     owner_exact, owner_approx, fe, re, fa, ra, scale, norm_of = [], [], [], [], [], [], [], []
+    roots: list[int] = []
     for i in indices:
         a, b = pairs[i]
         owner_exact += [i] * len(a.exact)
@@ -350,6 +356,7 @@ def _first_in_group(pairs, indices: list[int], device) -> int | None:
             ra += b.approx
             scale += a.scales
             norm_of += [base + k for k in a.norms]
+            roots += [base + k for k in a.roots]
     big = torch.iinfo(torch.int64).max
     candidates = []
     if fe:
@@ -358,6 +365,9 @@ def _first_in_group(pairs, indices: list[int], device) -> int | None:
         candidates.append(torch.where(bad, owners, big).min())
     if fa:
         f, r = torch.stack(fa), torch.stack(ra)
+        if roots:
+            at = torch.tensor(roots, dtype=torch.int64, device=device)
+            f, r = f.index_copy(0, at, f[at].sqrt()), r.index_copy(0, at, r[at].sqrt())
         norms = f[torch.tensor(norm_of, dtype=torch.int64, device=device)]
         tol = torch.tensor(scale, dtype=torch.float64, device=device) * norms
         bad = ~((f == r) | ((f - r).abs() <= tol))

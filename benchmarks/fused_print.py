@@ -1,0 +1,135 @@
+"""The detect tier's print of one region side on a real megatron-core MoE layer, fused against
+per tensor.
+
+The side: the tensors one ``TransformerLayer`` of ``benchmarks.megatron_scale``'s MoE GPT saves
+for backward (its forward run without recompute under a saved-tensors hook: what a
+non-reentrant checkpoint of the layer hands the sanitizer). Printed by the fused path
+(``fixes.sanitize._fused.prints``: one Triton kernel on CUDA) and tensor by tensor
+(``_fingerprint.fingerprint``, the torch ops the detect tier ran before), exact and exact plus
+tolerant (the default on CUDA). Per path and kind: the median over ``--repeats`` of the host
+time until the call returns (``*_host_ms``) and until the device is done (``*_ms``), and the
+kernels one side launches (torch.profiler; CUDA only). On CUDA the fused prints are also
+checked against the CPU path's on the same tensors (``equal_to_cpu``). Prints ``FUSED-PRINT
+{json}`` (one entry per dtype) and writes it to ``--json``.
+
+    python -m benchmarks.fused_print --device cuda --size 1024x2048 --dtypes fp32,bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def side_of_a_layer(hidden: int, seq: int, dtype: str, device: str) -> list:
+    """The tensors the second transformer layer of the MoE GPT saves in one forward."""
+    import torch
+
+    from benchmarks.megatron_scale import _build
+    from repro.harness.megatron_world import setup_megatron
+
+    setup_megatron(device)
+    if device == "cpu":
+        from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
+
+        install_megatron_cpu_moe_shim()
+    gpt = _build("moe", "allgather", hidden, seq, dtype, device)
+    for m in gpt.modules():  # no recompute: the layer's forward saves for backward
+        if getattr(m, "config", None) is not None:
+            m.config.recompute_granularity = None
+    layer = [m for m in gpt.modules() if type(m).__name__ == "TransformerLayer"][1]
+    saved: list = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x,
+                                                     lambda x: x)
+    layer.register_forward_pre_hook(lambda *a: hooks.__enter__())
+    layer.register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (1, seq), generator=g).to(device)
+    pos = torch.arange(seq, device=device).unsqueeze(0)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril().logical_not()
+    gpt(ids, pos, mask)
+    return saved
+
+
+def _time(fn, sync, repeats: int) -> tuple[float, float]:
+    host, total = [], []
+    fn()  # compiled, weights grown
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t)
+        sync()
+        total.append(time.perf_counter() - t)
+    return statistics.median(host) * 1e3, statistics.median(total) * 1e3
+
+
+def _kernels(fn, device: str) -> int | None:
+    import torch
+
+    if device != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int) -> dict:
+    import torch
+
+    from fixes.sanitize import _detect, _fused
+    from fixes.sanitize import _fingerprint as fp
+
+    side = [t if _detect._valued(t) else None for t in side_of_a_layer(hidden, seq, dtype,
+                                                                       device)]
+    kept = [t for t in side if t is not None]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    paths = {
+        "fused": lambda: _fused.prints(side),
+        "fused_tolerant": lambda: _fused.prints(side, tolerant=True),
+        "per_tensor": lambda: [fp.fingerprint([t]) for t in kept],
+        "per_tensor_tolerant": lambda: ([fp.fingerprint([t]) for t in kept],
+                                        [fp.fingerprint([t], tolerant=True) for t in kept]),
+    }
+    result = {"hidden": hidden, "seq": seq, "dtype": dtype, "device": device,
+              "tensors": len(side), "printed": len(kept),
+              "elements": sum(t.numel() for t in kept),
+              "bytes": sum(t.numel() * t.element_size() for t in kept),
+              "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in kept}),
+              "contiguous": sum(t.is_contiguous() for t in kept), "repeats": repeats}
+    for name, fn in paths.items():
+        result[f"{name}_host_ms"], result[f"{name}_ms"] = _time(fn, sync, repeats)
+        result[f"{name}_kernels"] = _kernels(fn, device)
+    result["kernel_failed"] = list(_fused.FAILED)
+    if device == "cuda":
+        got, _ = _fused.prints(side)
+        want, _ = _fused.prints([None if t is None else t.cpu() for t in side])
+        key = lambda p: None if p is None else [int(v) for v in p.exact]  # noqa: E731
+        result["equal_to_cpu"] = [key(p) for p in got] == [key(p) for p in want]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fused_print")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--size", default="1024x2048", help="HIDDENxSEQ")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    hidden, seq = (int(v) for v in args.size.split("x"))
+    results = [measure(hidden, seq, d, args.device, args.repeats)
+               for d in args.dtypes.split(",")]
+    print("FUSED-PRINT " + json.dumps(results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

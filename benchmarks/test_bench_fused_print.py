@@ -1,0 +1,40 @@
+"""The detect tier's print of one region side on the H200 (``benchmarks.fused_print``: the
+tensors a megatron-core MoE layer saves, H=1024 S=2048), fused against per tensor. Asserts what
+holds whatever the timing: the fused prints equal the CPU path's, one kernel per side (exact,
+and exact plus tolerant), fewer kernels than tensors per tensor; records the times."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from benchmarks._bench import record
+from repro import run_isolated
+
+pytestmark = [pytest.mark.gpu, pytest.mark.no_stackfix_sanitize]
+_MISSING = [p for p in ("megatron", "triton") if importlib.util.find_spec(p) is None]
+
+
+@pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.join(_MISSING)}")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_side_of_a_megatron_moe_layer(benchmark, dtype):
+    found: dict = {}
+
+    def run_child():
+        r = run_isolated(module="benchmarks.fused_print", args=[
+            "--device", "cuda", "--size", "1024x2048", "--dtypes", dtype], timeout=600)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("FUSED-PRINT ")]
+        assert r.returncode == 0 and lines, r.stderr[-4000:]
+        found.update(json.loads(lines[-1].split(" ", 1)[1])[0])
+
+    benchmark.pedantic(run_child, rounds=1, iterations=1)
+    print(json.dumps(found))
+    assert not found["kernel_failed"] and found["equal_to_cpu"]
+    assert found["fused_kernels"] == found["fused_tolerant_kernels"] == 1
+    assert found["per_tensor_kernels"] >= found["printed"]
+    record(benchmark, scenario=f"sanitizers/fused-print-moe-layer-1024x2048-{dtype}",
+           strategy="fused", device="cuda",
+           figures={k: v for k, v in found.items()
+                    if k.endswith(("_ms", "_kernels")) or k in ("printed", "elements", "bytes")})

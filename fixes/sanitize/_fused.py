@@ -1,0 +1,357 @@
+"""The detect tier's prints of one region side: every tensor in one pass, one kernel per device.
+
+``prints(tensors, tolerant)`` gives, per tensor, an exact ``Print`` and (``tolerant``) a
+tolerant one, with the meaning ``_fingerprint`` states, by another reduction:
+
+* Exact: with ``b_k`` the ``k``-th element's bits in row-major order (an integer of the
+  element's width, sign-extended; complex through its real view, so ``k`` counts real parts
+  and imaginary parts; bool, float8, sub-byte dtypes as bytes; quantized through
+  ``int_repr``), ``c_k = k * G + S`` (``G`` the 64-bit golden ratio, wrapping) and ``mix``
+  MurmurHash3's 64-bit finaliser (a bijection): ``sum_k mix(b_k ^ c_k)``, wrapping int64.
+  One changed element always changes the print (``mix`` is a bijection); several changes,
+  a swap or any permutation of elements, rows or columns collide only by chance (``mix`` is
+  not linear); a NaN or an inf is a bit pattern like any other. Integer sums are exact, so
+  neither the kernel's order nor its blocks can change a print.
+* Tolerant (floating dtypes; the others get their exact print): over the finite elements ``x_k``
+  (float64) the sum, the sum of squares (``Print.roots``: compared as the 2-norm) and
+  ``sum_k g_k x_k`` with ``g_k = 1 + (top 20 bits of c_k) / 2**20`` in [1, 2), compared within
+  ``ATOMIC_RTOL`` as ``_fingerprint`` says; and ``sum_k mix(b_k ^ c_k)`` over the non-finite
+  elements (where a NaN or an inf is and which). float8 with ``fnuz`` or ``e8m0`` encodings
+  get their exact print as the tolerant one (stricter; they come out of no atomic op here).
+
+On CUDA one Triton kernel reads every tensor of the device once (a table of data pointers,
+sizes and strides, uploaded with the zeroed results in one copy; one program per block of a
+tensor; integer and float64 atomics into the results): no host synchronisation, no kernel per
+tensor. Elsewhere (CPU; CUDA without Triton) the same sums with batched torch ops, a few per
+dtype rather than per tensor. ``kernel_prints`` runs the Triton kernel on any device (on CPU
+through Triton's interpreter: the tests check the two paths give the same prints).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fixes.sanitize._fingerprint import _DEFAULT_RTOL, ATOMIC_RTOL, Print, readable
+
+__all__ = ["kernel_prints", "prints"]
+
+G = -7046029254386353131  # 0x9E3779B97F4A7C15, as int64
+S = 0x5851F42D4C957F2D
+M1 = -49064778989728563  # 0xFF51AFD7ED558CCD
+M2 = -4265267296055464877  # 0xC4CEB9FE1A85EC53
+LOW31 = (1 << 31) - 1  # after an arithmetic shift by 33: a logical one
+
+# Floating kinds summed by the tolerant print, and their non-finite test on the bits
+# ``(b & mask) == value``: IEEE formats (an all-ones exponent), float8_e4m3fn (NaN only: its
+# all-ones exponent holds finite values).
+_KIND = {torch.float16: (1, 0x7C00), torch.bfloat16: (2, 0x7F80),
+         torch.float32: (3, 0x7F800000), torch.float64: (4, 0x7FF0000000000000),
+         torch.float8_e4m3fn: (5, 0x7F), torch.float8_e5m2: (6, 0x7C)}
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+NCOL = 16  # table columns per tensor (below)
+NOUT = 5  # results per tensor: exact, non-finite, sum, sum of squares, weighted sum
+CHUNK = 1 << 15  # elements per program
+BLOCK = 1024
+CPU_BATCH = 1 << 16  # elements per batch of the torch path (measured: fits the caches)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the elements whose bits are printed (views only, but for quantized, negative or
+    conjugate views)."""
+    if t.is_quantized:
+        t = t.int_repr()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    elif t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def _exact(h: torch.Tensor) -> Print:
+    return Print(exact=[h])
+
+
+def _tolerant(row, t: torch.Tensor) -> Print:
+    """From ``row`` = (exact, non-finite, sum, sum of squares, weighted sum) of ``t``."""
+    rtol = ATOMIC_RTOL.get(t.dtype, _DEFAULT_RTOL)
+    root = math.sqrt(t.numel())
+    return Print(exact=[row[1]], approx=[row[2], row[3], row[4]],
+                 scales=[rtol * root, rtol, 2 * rtol * root], norms=[1, 1, 1], roots=[1])
+
+
+def prints(tensors: list, tolerant: bool = False):
+    """Per entry of ``tensors`` (a tensor or None): its exact print (None for None or an
+    unreadable tensor), and with ``tolerant`` its tolerant print too (else None):
+    ``(exact, loose)``."""
+    n = len(tensors)
+    exact: list = [None] * n
+    loose: list | None = [None] * n if tolerant else None
+    groups: dict = {}
+    with torch._C._DisableTorchDispatch():
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for i, t in enumerate(tensors):
+                if t is not None and readable(t):
+                    groups.setdefault(t.device, []).append(i)
+            for device, indices in groups.items():
+                real = [_real(tensors[i]) for i in indices]
+                summed = [tolerant and r.dtype in _KIND for r in real]
+                rows = None
+                if device.type == "cuda" and _triton() is not None:
+                    try:
+                        rows = _launch(real, summed, device)
+                    except Exception as exc:  # Triton cannot build it here: the torch path
+                        _KERNEL[0] = None
+                        FAILED.append(f"{type(exc).__name__}: {exc}")
+                if rows is None:
+                    rows = _torch_rows(real, summed)
+                for j, i in enumerate(indices):
+                    row = rows[j]
+                    exact[i] = _exact(row[0])
+                    if tolerant:
+                        t = tensors[i]
+                        loose[i] = (_tolerant(row, t) if summed[j] else exact[i])
+        finally:
+            torch._C._set_grad_enabled(grad)
+    return exact, loose
+
+
+# -- the torch path -----------------------------------------------------------------------------
+
+
+def _torch_rows(real: list[torch.Tensor], summed: list[bool]) -> list:
+    """The results of ``real`` with batched torch ops: per dtype, batches of up to
+    ``CPU_BATCH`` elements (a large tensor in slices), each a few elementwise ops and an
+    ``index_add_`` per result."""
+    device = real[0].device
+    out = torch.zeros(len(real), 2, dtype=torch.int64, device=device)
+    sums = torch.zeros(len(real), 3, dtype=torch.float64, device=device)
+    by_dtype: dict = {}
+    for j, r in enumerate(real):
+        by_dtype.setdefault((r.dtype, summed[j]), []).append(j)
+    for (dtype, summing), members in by_dtype.items():
+        width = dtype.itemsize
+        pieces: list = []  # (tensor, flat slice, first position)
+        for j in members:
+            flat = real[j].reshape(-1)
+            for lo in range(0, flat.numel(), CPU_BATCH):
+                pieces.append((j, flat[lo:lo + CPU_BATCH], lo))
+        batch: list = []
+        size = 0
+        for piece in pieces:
+            if batch and size + piece[1].numel() > CPU_BATCH:
+                _torch_batch(batch, width, dtype if summing else None, out, sums)
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece[1].numel()
+        _torch_batch(batch, width, dtype if summing else None, out, sums)
+    return _rows(out, sums, summed)
+
+
+def _rows(ints: torch.Tensor, floats: torch.Tensor, summed: list[bool]) -> list:
+    """Per tensor its results as 0-d views: (exact,) or (exact, non-finite, sum, sum of
+    squares, weighted sum); a few ``unbind`` calls rather than an indexing op per result."""
+    exact = ints[:, 0].unbind()
+    if not any(summed):
+        return [(e,) for e in exact]
+    odd, sums = ints[:, 1].unbind(), floats.unbind(0)
+    return [(exact[j], odd[j], *sums[j].unbind()) if summed[j] else (exact[j],)
+            for j in range(len(exact))]
+
+
+def _torch_batch(batch: list, width: int, summing, out: torch.Tensor,
+                 sums: torch.Tensor) -> None:
+    """One batch of pieces ``(tensor, flat slice, first position)`` of one dtype: in place
+    where it can be (a fresh allocation per op costs a CPU more than the op)."""
+    device = out.device
+    counts = [p[1].numel() for p in batch]
+    n = sum(counts)
+    b = torch.empty(n, dtype=torch.int64, device=device)
+    torch.cat([p[1].view(_INT[width]) for p in batch], out=b)
+    c = (_positions(batch[0][2], n, device) if len(batch) == 1 else
+         torch.cat([_positions(p[2], m, device) for p, m in zip(batch, counts, strict=True)]))
+    y = torch.bitwise_xor(b, c)
+    _mix_(y, torch.empty_like(y))
+    owners = torch.tensor([p[0] for p in batch], device=device)
+    ends = torch.tensor(counts, device=device).cumsum_(0) - 1
+    _add_by_piece(out[:, 0], owners, ends, y)
+    if summing is None:
+        return
+    mask = _KIND[summing][1]
+    odd = (b & mask) == mask
+    _add_by_piece(out[:, 1], owners, ends, y.masked_fill_(~odd, 0))
+    x = torch.empty(n, dtype=torch.float64, device=device)
+    torch.cat([p[1] for p in batch], out=x)
+    x.masked_fill_(odd, 0.0)
+    owner = torch.repeat_interleave(owners, torch.tensor(counts, device=device))
+    g = ((c >> 44) & 0xFFFFF).to(torch.float64).mul_(1.0 / (1 << 20)).add_(1.0)
+    sums[:, 0].index_add_(0, owner, x)
+    sums[:, 2].index_add_(0, owner, g.mul_(x))
+    sums[:, 1].index_add_(0, owner, x.square_())
+
+
+def _add_by_piece(into: torch.Tensor, owners: torch.Tensor, ends: torch.Tensor,
+                  y: torch.Tensor) -> None:
+    """``into[owner] += sum of y over the piece``, wrapping: by prefix sums (exact in modular
+    arithmetic), one ``index_add_`` for the batch."""
+    if owners.numel() == 1:
+        into[owners[0]] += y.sum()
+        return
+    at = y.cumsum(0)[ends]
+    at[1:] -= at[:-1].clone()
+    into.index_add_(0, owners, at)
+
+
+def _mix_(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``_mix`` in place (``t``: scratch of ``z``'s size)."""
+    for m in (M1, M2):
+        torch.bitwise_right_shift(z, 33, out=t)
+        z ^= t.bitwise_and_(LOW31)
+        z *= m
+    torch.bitwise_right_shift(z, 33, out=t)
+    z ^= t.bitwise_and_(LOW31)
+    return z
+
+
+_POSITIONS: dict = {}  # device -> c_k for the first positions (grown by powers of two)
+POSITIONS_CACHED = 1 << 20
+
+
+def _positions(lo: int, n: int, device: torch.device) -> torch.Tensor:
+    """``c_k = k * G + S`` for ``k`` in ``[lo, lo + n)`` (a view of a cache when it fits)."""
+    hi = lo + n
+    if hi > POSITIONS_CACHED:
+        return torch.arange(lo, hi, device=device).mul_(G).add_(S)
+    have = _POSITIONS.get(device)
+    if have is None or have.numel() < hi:
+        size = min(POSITIONS_CACHED, 1 << max(12, (hi - 1).bit_length()))
+        have = _POSITIONS[device] = torch.arange(size, device=device).mul_(G).add_(S)
+    return have[lo:hi]
+
+
+# -- the Triton path ----------------------------------------------------------------------------
+
+_KERNEL: list = []  # [the jitted kernel or None, the interpreted one], filled on first use
+FAILED: list[str] = []  # why the kernel was given up for the torch path (the GPU tests read it)
+
+
+def _triton():
+    if not _KERNEL:
+        try:
+            from fixes.sanitize import _fused_kernel
+            _KERNEL.append(_fused_kernel.print_kernel)
+        except Exception as exc:  # no Triton here: the torch path
+            _KERNEL.append(None)
+            FAILED.append(f"{type(exc).__name__}: {exc}")
+    return _KERNEL[0]
+
+
+def _dims(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``t``'s sizes and strides with adjacent dimensions merged where they can be (and size-1
+    ones dropped), front-padded to 4; None where more than 4 remain."""
+    sizes: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if size == 1:
+            continue
+        if sizes and stride == strides[0] * sizes[0]:
+            sizes[0] *= size
+            continue
+        sizes.insert(0, size)
+        strides.insert(0, stride)
+    if len(sizes) > 4:
+        return None
+    pad = 4 - len(sizes)
+    return [1] * pad + sizes, [0] * pad + strides
+
+
+def _table(real: list[torch.Tensor], summed: list[bool], chunk: int):
+    """The kernel's input as one int64 host tensor: per tensor ``NCOL`` columns (address,
+    numel, element width, first program, kind, non-finite mask, contiguous, 4 sizes, 4
+    strides, unused), the owner of each program, the zeroed results. Also: copies made of
+    tensors with more than 4 dimensions that cannot merge (held until the launch)."""
+    rows: list[int] = []
+    owners: list[int] = []
+    held: list[torch.Tensor] = []
+    for j, r in enumerate(real):
+        dims = _dims(r)
+        if dims is None:
+            r = r.contiguous()
+            held.append(r)
+            dims = _dims(r)
+        sizes, strides = dims
+        n = r.numel()
+        programs = -(-n // chunk)
+        kind, mask = _KIND[r.dtype] if summed[j] else (0, 0)
+        contiguous = int(sizes[:3] == [1, 1, 1] and strides[3] == 1)
+        rows += [r.data_ptr(), n, r.element_size(), len(owners), kind, mask, contiguous,
+                 *sizes, *strides, 0]
+        owners += [j] * programs
+    host = torch.tensor(rows + owners + [0] * (NOUT * len(real)), dtype=torch.int64)
+    return host, len(owners), held
+
+
+def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
+            chunk: int = CHUNK, block: int = BLOCK) -> list:
+    host, programs, held = _table(real, summed, chunk)
+    n = len(real)
+    if device.type == "cuda":
+        buf = host.pin_memory().to(device, non_blocking=True)
+    else:
+        buf = host.to(device)
+    out_at = n * NCOL + programs
+    kernel = _triton() if device.type == "cuda" else _interpreted()
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
+    else:
+        kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
+    del held
+    res = buf[out_at:].view(n, NOUT)
+    return _rows(res[:, :2], res[:, 2:].view(torch.float64), summed)
+
+
+def _interpreted():
+    """The kernel as Triton's interpreter runs it on CPU tensors: a second copy of its module,
+    decorated with ``TRITON_INTERPRET`` set (``triton.jit`` reads it then)."""
+    if len(_KERNEL) < 2:
+        import importlib.util
+        import os
+
+        try:  # imported lazily by a launch; under TRITON_INTERPRET its import fails (3.9)
+            import triton.experimental.gluon  # noqa: F401
+        except ImportError:
+            pass
+        spec = importlib.util.find_spec("fixes.sanitize._fused_kernel")
+        module = importlib.util.module_from_spec(spec)
+        before = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if before is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = before
+        _triton()
+        _KERNEL.append(module.print_kernel)
+    return _KERNEL[1]
+
+
+def kernel_prints(tensors: list, tolerant: bool = False, chunk: int = CHUNK,
+                  block: int = BLOCK):
+    """``prints`` through the Triton kernel on every device (CPU: Triton's interpreter; a
+    small ``chunk`` and ``block`` keep it fast)."""
+    real = [_real(t) for t in tensors]
+    summed = [tolerant and r.dtype in _KIND for r in real]
+    rows = _launch(real, summed, real[0].device, chunk, block)
+    exact = [_exact(r[0]) for r in rows]
+    loose = ([_tolerant(r, t) if s else e for r, t, s, e in
+              zip(rows, tensors, summed, exact, strict=True)] if tolerant else None)
+    return exact, loose
