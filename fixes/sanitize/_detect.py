@@ -40,15 +40,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils import _pytree as pytree
 
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
-from fixes.sanitize._errors import Divergence, RecomputeMismatchError, Verdict
+from fixes.sanitize._errors import Verdict
 from fixes.sanitize._reach import State, Walks, reached
 
-__all__ = ["Detection", "Watch", "never_recomputed_error", "unlocated_error"]
+__all__ = ["Detection", "Watch"]
 
 
 @dataclass(slots=True)
@@ -68,44 +67,6 @@ class Detection:
     declared: bool = False
     # torch's checkpoint or autograd fails on it (another count or metadata): raised at once
     fatal: bool = False
-
-
-def unlocated_error(found: Detection, why: str) -> RecomputeMismatchError:
-    message = (f"recompute of checkpointed region {found.region} differs from its forward "
-               f"({found.verdict}): {found.item}: {found.detail}. Not located: {why}.")
-    return RecomputeMismatchError(
-        message, region=found.region, verdict=found.verdict, item=found.item,
-        what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())
-
-
-def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
-    """A reentrant region entered with grad enabled whose inputs none require grad is never
-    recomputed (its output has no grad_fn): the trainable parameters its function uses get no
-    gradient, silently (a frozen base model under PEFT, detached MTP inputs; torch's reentrant
-    checkpoint only warns, megatron's says nothing). The error naming them, or None if every
-    parameter it reaches is frozen."""
-    names: dict[int, str] = {}
-    for root in roots:
-        if isinstance(root, torch.nn.Module):
-            for name, p in root.named_parameters():
-                if p.requires_grad:
-                    names.setdefault(id(p), f"{type(root).__name__}.{name}")
-    for t in reached(roots):
-        if isinstance(t, torch.nn.Parameter) and t.requires_grad:
-            names.setdefault(id(t), f"a parameter of shape {list(t.shape)}")
-    if not names:
-        return None
-    listed = ", ".join(list(names.values())[:8]) + (
-        f" and {len(names) - 8} more" if len(names) > 8 else "")
-    message = (f"checkpointed region {region} is never recomputed: it was entered with grad "
-               "enabled, but none of its inputs requires grad, so the reentrant checkpoint's "
-               "output has no grad_fn and backward never reaches it; its trainable parameters "
-               f"get no gradient: {listed}. Make an input require grad (e.g. "
-               "hidden_states.requires_grad_() on a frozen embedding's output) or use the "
-               "non-reentrant checkpoint (use_reentrant=False).")
-    return RecomputeMismatchError(
-        message, region=region, verdict=Verdict.NEVER_RECOMPUTED, item=listed,
-        what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())
 
 
 # -- one side ----------------------------------------------------------------------------------
@@ -484,10 +445,3 @@ def _meta(m) -> str:
 
 def _weakable(obj) -> bool:
     return isinstance(obj, (torch.Tensor, torch.nn.Module))
-
-
-def roots_of(fn, args, kwargs=None) -> list:
-    """The objects a region's state is reached from: its function and its tensor arguments."""
-    leaves = [x for x in pytree.tree_leaves((args, kwargs or {}))
-              if isinstance(x, (torch.Tensor, torch.nn.Module))]
-    return [fn, *leaves]

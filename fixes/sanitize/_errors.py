@@ -1,10 +1,12 @@
 """What ``recompute_sanitizer()`` reports: the error, what of the region's result differs
-(``Verdict``) and where the recompute first departs from its forward (``Divergence``)."""
+(``Verdict``) and where the recompute first departs from its forward (``Divergence``); the
+errors of a detection the locator did not locate and of a region never recomputed."""
 
 from __future__ import annotations
 
 import enum
 
+import torch
 from torch.utils.checkpoint import CheckpointError
 
 
@@ -53,3 +55,43 @@ class RecomputeMismatchError(CheckpointError):
 class RecomputeSanitizerWarning(RuntimeWarning):
     """The sanitizer could not check a region (its own failure, never the user's): the
     region runs unchecked, and the reason is given."""
+
+
+def unlocated_error(found, why: str) -> RecomputeMismatchError:
+    message = (f"recompute of checkpointed region {found.region} differs from its forward "
+               f"({found.verdict}): {found.item}: {found.detail}. Not located: {why}.")
+    return RecomputeMismatchError(
+        message, region=found.region, verdict=found.verdict, item=found.item,
+        what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())
+
+
+def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
+    """A reentrant region entered with grad enabled whose inputs none require grad is never
+    recomputed (its output has no grad_fn): the trainable parameters its function uses get no
+    gradient, silently (a frozen base model under PEFT, detached MTP inputs; torch's reentrant
+    checkpoint only warns, megatron's says nothing). The error naming them, or None if every
+    parameter it reaches is frozen."""
+    names: dict[int, str] = {}
+    for root in roots:
+        if isinstance(root, torch.nn.Module):
+            for name, p in root.named_parameters():
+                if p.requires_grad:
+                    names.setdefault(id(p), f"{type(root).__name__}.{name}")
+    from fixes.sanitize._reach import reached  # the walk needs torch's modules, not errors
+
+    for t in reached(roots):
+        if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+            names.setdefault(id(t), f"a parameter of shape {list(t.shape)}")
+    if not names:
+        return None
+    listed = ", ".join(list(names.values())[:8]) + (
+        f" and {len(names) - 8} more" if len(names) > 8 else "")
+    message = (f"checkpointed region {region} is never recomputed: it was entered with grad "
+               "enabled, but none of its inputs requires grad, so the reentrant checkpoint's "
+               "output has no grad_fn and backward never reaches it; its trainable parameters "
+               f"get no gradient: {listed}. Make an input require grad (e.g. "
+               "hidden_states.requires_grad_() on a frozen embedding's output) or use the "
+               "non-reentrant checkpoint (use_reentrant=False).")
+    return RecomputeMismatchError(
+        message, region=region, verdict=Verdict.NEVER_RECOMPUTED, item=listed,
+        what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())

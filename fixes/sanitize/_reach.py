@@ -28,12 +28,13 @@ import functools
 import weakref
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
-__all__ = ["SMALL_STATE_BYTES", "State", "Walks", "reached"]
+__all__ = ["SMALL_STATE_BYTES", "State", "Walks", "reached", "roots_of"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -283,3 +284,10 @@ class State:
             # a copy of the slice: its offset in the snapshot need not suit the dtype
             target.copy_(before.clone().view(target.dtype).view(target.shape))
         return True
+
+
+def roots_of(fn, args, kwargs=None) -> list:
+    """The objects a region's state is reached from: its function and its tensor arguments."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs or {}))
+              if isinstance(x, (torch.Tensor, torch.nn.Module))]
+    return [fn, *leaves]

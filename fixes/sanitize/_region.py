@@ -36,10 +36,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from fixes.recompute import state as recompute_state
-from fixes.sanitize import _detect, _intended, _opsite, _verdict
 from fixes.sanitize import _fingerprint as fp
+from fixes.sanitize import _intended, _opsite, _verdict
 from fixes.sanitize._callsite import describe_site
-from fixes.sanitize._errors import RecomputeMismatchError, RecomputeSanitizerWarning
+from fixes.sanitize._errors import (
+    RecomputeMismatchError,
+    RecomputeSanitizerWarning,
+    unlocated_error,
+)
 from fixes.sanitize._modes import Values
 from fixes.sanitize._opsite import raw_site
 from fixes.sanitize._outside import OutsideWrites
@@ -306,7 +310,7 @@ class Replay(_Side):
                 # and this region's like differences are accepted from now on
                 region.stats._tolerated.add((region.site[:1], region.position))
                 return
-            raise _detect.unlocated_error(
+            raise unlocated_error(
                 found, "the divergence did not recur on the next recompute of its call site, "
                 "where the op stream was recorded")
 

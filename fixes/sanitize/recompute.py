@@ -49,7 +49,6 @@ import contextlib
 import functools
 import importlib.util
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -58,25 +57,22 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from fixes.sanitize._callsite import ActiveSlot, call_site
-from fixes.sanitize._detect import (
-    Detection,
-    Watch,
-    never_recomputed_error,
-    roots_of,
-    unlocated_error,
-)
+from fixes.sanitize._detect import Detection, Watch
 from fixes.sanitize._errors import (
     Divergence,
     RecomputeMismatchError,
     RecomputeSanitizerWarning,
     Verdict,
+    never_recomputed_error,
+    unlocated_error,
 )
 from fixes.sanitize._fingerprint import ATOMIC_RTOL
 from fixes.sanitize._intended import recompute_may_differ, scratch_tensors
 from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._opsite import entry_frame
-from fixes.sanitize._reach import Walks
+from fixes.sanitize._patch import _apply, _ApplyPatch, _checkpoint_frame, _Patch
+from fixes.sanitize._reach import Walks, roots_of
 from fixes.sanitize._region import Region
 
 __all__ = ["ATOMIC_RTOL", "Divergence", "RecomputeMismatchError", "RecomputeSanitizer",
@@ -310,63 +306,6 @@ class RecomputeSanitizer:
         return checkpoint
 
 
-def _checkpoint_frame(generator):
-    """The ``_CheckpointFrame`` a suspended ``_checkpoint_without_reentrant_generator`` made,
-    through the generators that wrap it (another wrapper of the same name: ``yield from`` or
-    ``next(inner)``, as an earlier sanitizer's left inside fixes.torchtitan's permanent one);
-    None if this torch names it otherwise: its recomputes are then judged inside their
-    contexts."""
-    for _ in range(32):
-        frame = getattr(generator, "gi_frame", None)
-        if frame is None:
-            return None
-        found = frame.f_locals.get("new_frame")
-        if callable(getattr(found, "recompute_fn", None)):
-            return found
-        generator = getattr(generator, "gi_yieldfrom", None) or frame.f_locals.get("inner")
-    return None
-
-
-class _Patch:
-    """``owner.name = wrapper`` for the sanitizer's duration; restored only if still ours."""
-
-    def __init__(self, owner, name: str, make):
-        self.owner, self.name = owner, name
-        self.original = owner.__dict__[name]
-        self.wrapper = make(self.original.__func__ if isinstance(self.original, staticmethod)
-                            else self.original)
-        setattr(owner, name, self.wrapper)
-
-    def undo(self) -> None:
-        if self.owner.__dict__.get(self.name) is self.wrapper:
-            setattr(self.owner, self.name, self.original)
-
-
-class _ApplyPatch:
-    """``cls.apply`` noting the caller's grad mode for ``wrap_function_forward`` (an
-    ``autograd.Function``'s forward runs with grad disabled); removed only if still ours."""
-
-    def __init__(self, cls):
-        self.cls, original = cls, cls.apply
-
-        def apply(*args, **kwargs):
-            _apply.grad = torch.is_grad_enabled()
-            return original(*args, **kwargs)
-
-        self.wrapper = apply
-        self.had = "apply" in cls.__dict__
-        self.original = cls.__dict__.get("apply")
-        cls.apply = apply
-
-    def undo(self) -> None:
-        if self.cls.__dict__.get("apply") is self.wrapper:
-            if self.had:
-                self.cls.apply = self.original
-            else:
-                del self.cls.apply
-
-
-_apply = threading.local()
 _slot = ActiveSlot("recompute_sanitizer()")
 
 
