@@ -178,6 +178,9 @@ def _reached(roots) -> list[torch.Tensor]:
             for t in (*sub._parameters.values(), *sub._buffers.values()):
                 if t is not None and type(t) in _PLAIN:
                     tensors.setdefault(id(t), t)
+    # visit and attribute each name itself: a cycle through their cells that would keep the
+    # reached tensors (the region's inputs, their graph) until the cycle collector runs
+    visit = attribute = None  # noqa: F841
     return list(tensors.values())
 
 
