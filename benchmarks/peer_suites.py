@@ -11,6 +11,7 @@ child pytest each (``off``: no sanitizer; ``all`` / ``sampled`` / ``none``: the 
     python -m benchmarks.peer_suites fetch .upstream/pytorch      # needs git and the network
     python -m benchmarks.peer_suites --pytorch-tests .upstream/pytorch \\
         [--modes off,all,sampled,none] [--out results.json]
+    python -m benchmarks.peer_suites finding [--out finding.json]  # the known finding's figures
 
 ``fetch`` makes a sparse, shallow checkout of the test files at the commit the installed torch
 was built from (``torch.version.git_version``); any checkout of the same version will do
@@ -234,6 +235,13 @@ def fetch(dest: Path, commit: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["finding"]:
+        found = version_counter_finding()
+        text = json.dumps(found, indent=1)
+        if argv[1:2] == ["--out"] and len(argv) == 3:
+            Path(argv[2]).write_text(text)
+        print(text)
+        return 0 if found["sanitizer"] is not None else 1
     if argv[:1] == ["fetch"]:
         p = argparse.ArgumentParser(prog="python -m benchmarks.peer_suites fetch",
                                     description=fetch.__doc__)
