@@ -35,9 +35,10 @@ class Divergence(enum.StrEnum):
 
 class RecomputeMismatchError(CheckpointError):
     """A checkpointed region's recompute computed something else than its forward, where
-    backward would use it. A ``torch.utils.checkpoint.CheckpointError`` (a RuntimeError): it
-    comes where torch's own determinism check would raise for a recompute that saves other
-    tensors, and a user's ``except CheckpointError`` catches it. ``verdict`` (a ``Verdict``) says what differs, ``item`` which one;
+    backward would use it. A ``torch.utils.checkpoint.CheckpointError`` (a RuntimeError): a
+    user's ``except CheckpointError`` catches it. A non-reentrant recompute that saves another
+    count or metadata of tensors fails torch's own check: torch's error is raised, this one's
+    text on it as a note. ``verdict`` (a ``Verdict``) says what differs, ``item`` which one;
     ``what`` (a ``Divergence``) where the recompute first departs from its forward, at op
     ``position`` of the recompute's op stream (of the forward's, for an op only the forward
     ran), op ``op``; the sites are ``file:line in function`` tuples, innermost first, empty

@@ -49,6 +49,7 @@ import contextlib
 import functools
 import importlib.util
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -123,6 +124,9 @@ class RecomputeSanitizer:
     _tolerated: set = field(default_factory=set, repr=False)
     _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
     _walks: Walks = field(default_factory=Walks, repr=False)  # what regions reach, kept
+    # watch -> its fatal error, held for torch's own check of the recompute (_torch_check_first)
+    _for_torch: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
+                                                  repr=False)
 
     def _on(self) -> bool:
         return _slot.holds(self)
@@ -229,8 +233,12 @@ class RecomputeSanitizer:
         if not (found.within_tolerance or found.declared):  # else provisional
             self.detections += 1
         if found.fatal:
-            raise unlocated_error(found, "torch's checkpoint (or autograd) fails on such a "
-                                  "recompute before a next one could locate it")
+            error = unlocated_error(found, "torch's checkpoint (or autograd) fails on such a "
+                                    "recompute before a next one could locate it")
+            if watch in self._for_torch:  # torch's own check comes next: it speaks first
+                self._for_torch[watch] = error
+                return
+            raise error
         if self.values == "all":
             self._armed[key] = found
             return
@@ -262,6 +270,9 @@ class RecomputeSanitizer:
             frame = _checkpoint_frame(inner)
             if frame is not None:  # judge each recompute outside its contexts
                 frame.recompute_fn = region.judging(frame.recompute_fn)
+                if isinstance(region, Watch):
+                    frame.check_recomputed_tensors_match = self._torch_check_first(region,
+                                                                                   frame)
             try:
                 with region.recording(entry):  # innermost: inside the caller's forward context
                     yield
@@ -278,6 +289,34 @@ class RecomputeSanitizer:
             raise AssertionError("torch.utils.checkpoint's generator yielded more than twice")
 
         return _checkpoint_without_reentrant_generator
+
+    def _torch_check_first(self, watch: Watch, frame):
+        """The checkpoint frame's ``check_recomputed_tensors_match``, which runs right after
+        each recompute: where it raises torch's own ``CheckpointError`` (another count or
+        metadata of saved tensors: what the detect tier's fatal detections are) the user gets
+        torch's error, in its words, with the sanitizer's finding (region, call site) as a
+        note; where torch does not check (``determinism_check="none"``), the sanitizer's."""
+        self._for_torch[watch] = None
+        # the frame through a weak reference: frame -> this wrapper -> frame would be a cycle
+        # that holds the region's inputs and graph until the cycle collector runs
+        check, frame = type(frame).check_recomputed_tensors_match, weakref.ref(frame)
+
+        def checked(gid):
+            ours = self._for_torch.get(watch)
+            self._for_torch[watch] = None
+            try:
+                check(frame(), gid)
+            except torch_checkpoint.CheckpointError as exc:
+                if ours is not None:
+                    exc.add_note(f"stackfix recompute_sanitizer: {ours}")
+                raise
+            if ours is not None:
+                try:  # no local left holding the error whose traceback holds this frame
+                    raise ours
+                finally:
+                    ours = None
+
+        return checked
 
     def wrap_function_forward(self, original, kind: str):
         def forward(ctx, run_function, *args):

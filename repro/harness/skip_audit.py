@@ -20,6 +20,8 @@ OPTION = "--skip-audit"
 # What a skip reason says, by why it may be legitimate (regular expressions, searched).
 NO_CUDA = r"CUDA not available"
 NO_MEGATRON_LM_CHECKOUT = r"STACKFIX_MEGATRON_LM is (not set|unset)"
+# tests/test_peer_suites.py: PyTorch's own checkpoint tests need a PyTorch checkout
+NO_PYTORCH_TESTS_CHECKOUT = r"STACKFIX_PYTORCH_TESTS is not set"
 # tests/test_verl_plugin.py outside tox's verl envs (they install verl with its dependencies)
 NO_VERL_INSTALL = r"verl is not installed in this environment"
 NO_VLLM = r"vLLM not installed|vllm is not installed"
@@ -66,8 +68,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "vllm": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_TORCHTITAN, NO_TORCH_REMAT, NO_FORK_SERVER,
              GPU_HOST, MEGATRON_WITH_MHC),
     # the cpu env's deep tests (tox -e deep: the same install as cpu)
-    "deep": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_VLLM, NO_FORK_SERVER,
-             NOT_A_COMPAT_PYTHON, GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL,
+    "deep": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_PYTORCH_TESTS_CHECKOUT, NO_VLLM,
+             NO_FORK_SERVER, NOT_A_COMPAT_PYTHON, GPU_HOST, MEGATRON_WITH_MHC, NO_VERL_INSTALL,
              OTHER_MEGATRON_RELEASE),
     # tests/test_verl_plugin.py in a real verl install (torchtitan, megatron-core, verl, ray)
     "verl": (TORCH_TOO_OLD, NO_CUDA, NO_MEGATRON_LM_CHECKOUT, NO_FORK_SERVER),
