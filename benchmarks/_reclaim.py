@@ -198,16 +198,40 @@ def print_figures(variant: str, strategy: str, device: str) -> None:
         setup.reset()
         figures = measure_memory(setup.forward, backward=setup.backward, device=device,
                                  track=setup.track).as_extra_info()
+        figures["reclaim_own_bytes"] = _own_bytes(torch.device(device))
         setup.reset()
     finally:
         uninstall()
     print(FIGURES_MARKER + json.dumps(figures), flush=True)
 
 
+def _own_bytes(device: torch.device) -> int:
+    """Device bytes ours keeps for itself: the shared elements its released copies point at
+    (``fixes.megatron.reclaim``: one per dtype and device, made when it is installed), as the
+    CUDA caching allocator's blocks holding them -- a constant, in every figure on CUDA (which
+    counts all live memory), in none on CPU (which counts what the step allocates)."""
+    from fixes.megatron import reclaim
+
+    if device.type != "cuda":
+        return 0
+    ptrs = {t.data_ptr() for (_, d), t in reclaim._SCALARS.items() if d.type == "cuda"}
+    return sum(block["size"] for segment in torch.cuda.memory_snapshot()
+               for block, address in _blocks(segment) if address in ptrs
+               and block["state"] == "active_allocated")
+
+
+def _blocks(segment: dict):
+    address = segment["address"]
+    for block in segment["blocks"]:
+        yield block, address
+        address += block["size"]
+
+
 def _crash_name(stderr: str) -> str | None:
     """The exception type on a traceback's last line (``torch.AcceleratorError: CUDA error...``)."""
     for line in reversed(stderr.strip().splitlines()):
-        m = re.match(r"([A-Za-z_][\w.]*(?:Error|Exception)):", line)
+        # torch.distributed prefixes a rank's traceback lines: "[rank0]: RuntimeError: ..."
+        m = re.match(r"(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)):", line)
         if m:
             return m.group(1).rsplit(".", 1)[-1]
     return None

@@ -84,8 +84,9 @@ def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int) -> dic
     from fixes.sanitize import _detect, _fused
     from fixes.sanitize import _fingerprint as fp
 
-    side = [t if _detect._valued(t) else None for t in side_of_a_layer(hidden, seq, dtype,
-                                                                       device)]
+    tensors = side_of_a_layer(hidden, seq, dtype, device)
+    cuda = any(t.device.type == "cuda" for t in tensors)
+    side = [t if _detect._valued(t, cuda) else None for t in tensors]
     kept = [t for t in side if t is not None]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     paths = {

@@ -272,3 +272,14 @@ def test_a_changed_element_of_a_large_cuda_tensor_is_seen():
     assert _same(t, t.view(torch.uint8).clone().view(t.dtype))
     assert not _same(t, changed.view(t.dtype))
     assert not _same(t, t.view(torch.uint8).flip(0).view(t.dtype))  # rows in another order
+
+
+@pytest.mark.cpu
+def test_the_benchmarks_side_of_a_layer_is_printed_on_cpu():
+    """``benchmarks.fused_print`` end to end at a toy size on CPU: the H200 bench broke on a
+    changed sanitizer signature that no CPU test ran."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from benchmarks import fused_print
+
+    found = fused_print.measure(128, 32, "fp32", "cpu", 1)
+    assert found["printed"] > 0 and found["fused_ms"] > 0 and not found["kernel_failed"]
