@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+
+from benchmarks._child_pytest import run_with_report
 
 DEFAULT_FILES = (
     "tests/unit_tests/tensor_parallel/test_random.py",
@@ -101,22 +101,13 @@ def run_once(tests: Path, files: list[str], reclaim: str, timeout: float
     # the checkout first (its ``tests`` package is Megatron-LM's, not stackfix's), then stackfix
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(tests), str(repo), env.get("PYTHONPATH", "")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "junit.xml"
-        # the checkout's own pytest configuration (its markers), not any ini above it
-        config = ["-c", str(tests / "pyproject.toml")] if (tests / "pyproject.toml").is_file() else []
-        argv = [sys.executable, "-m", "pytest", *files, "-p", "benchmarks.megatron_unit_tests",
-                f"{OPTION}={reclaim}", "-p", "no:cacheprovider", "-q", "--tb=line",
-                f"--rootdir={tests}", *config, "--continue-on-collection-errors",
-                f"--junitxml={report}"]
-        try:
-            done = subprocess.run(argv, cwd=tests, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-            code, log = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            code, log = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
-        found = outcomes(report.read_text()) if report.is_file() else {}
-    return code, found, log
+    # the checkout's own pytest configuration (its markers), not any ini above it
+    config = ["-c", str(tests / "pyproject.toml")] if (tests / "pyproject.toml").is_file() else []
+    argv = [sys.executable, "-m", "pytest", *files, "-p", "benchmarks.megatron_unit_tests",
+            f"{OPTION}={reclaim}", "-p", "no:cacheprovider", "-q", "--tb=line",
+            f"--rootdir={tests}", *config, "--continue-on-collection-errors"]
+    code, report, log = run_with_report(argv, tests, env, timeout)
+    return code, outcomes(report) if report is not None else {}, log
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,10 +33,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+
+from benchmarks._child_pytest import run_with_report
 
 # What runs: pytest arguments relative to the checkout, and the -k that picks the checkpoint
 # tests of test_autograd.py (case-insensitive: the two classes and TestAutograd's tests whose
@@ -109,6 +110,11 @@ def verdict(by_mode: dict[str, dict[str, dict[str, str]]], diffs: list[dict[str,
     """What is wrong with a run, as lines (none: the sanitizer agrees with PyTorch's tests)."""
     problems = [f"{d['mode']}: {d['test']}: {d['outcome']} (off: {d['off']}): {d['message']}"
                 for d in diffs if not d["known"]]
+    # a suite that did not run (a missing test dependency, a collection error) agrees with
+    # itself in every mode: no passed test is no verdict
+    problems += [f"{mode}: no test passed ({len(got)} collected): the suite did not run"
+                 for mode, got in by_mode.items()
+                 if not any(o["outcome"] == "passed" for o in got.values())]
     if "all" in by_mode:
         for test in KNOWN_FINDINGS:
             got = by_mode["all"].get(test)
@@ -130,23 +136,14 @@ def run_mode(root: Path, mode: str, timeout: float, slow: bool = False
     env.pop("PYTORCH_TEST_WITH_SLOW", None)
     if slow:
         env["PYTORCH_TEST_WITH_SLOW"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "junit.xml"
-        # the flag comes from stackfix's pytest11 entry point (an installed stackfix)
-        argv = [sys.executable, "-m", "pytest", *TESTS, "-k", SELECT, *mode_flags(mode),
-                "-p", "no:cacheprovider",
-                "-p", "no:xdist", "-q", "--tb=line", f"--rootdir={root}",
-                f"--junitxml={report}", "-o", "junit_family=xunit1"]
-        ini = root / "pytest.ini"  # the checkout's own configuration, not any ini above it
-        argv += ["-c", str(ini) if ini.is_file() else os.devnull]
-        try:
-            done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-            code, log = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
-            code, log = 124, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
-        found = outcomes(report.read_text()) if report.is_file() else {}
-    return code, found, log
+    # the flag comes from stackfix's pytest11 entry point (an installed stackfix)
+    argv = [sys.executable, "-m", "pytest", *TESTS, "-k", SELECT, *mode_flags(mode),
+            "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--tb=line", f"--rootdir={root}",
+            "-o", "junit_family=xunit1"]
+    ini = root / "pytest.ini"  # the checkout's own configuration, not any ini above it
+    argv += ["-c", str(ini) if ini.is_file() else os.devnull]
+    code, report, log = run_with_report(argv, root, env, timeout)
+    return code, outcomes(report) if report is not None else {}, log
 
 
 def table(by_mode: dict[str, dict[str, dict[str, str]]], diffs: list[dict[str, str]]) -> str:

@@ -61,6 +61,10 @@ def test_only_the_known_finding_may_differ_and_the_sanitizer_must_name_it():
             peer.verdict(missed, peer.compare(missed)))
     # sampled / none may miss it
     assert peer.verdict({"off": off, "none": off}, []) == []
+    # a suite that did not run (every mode one collection error) is no agreement
+    broken = {"test/test_utils.py::::test_utils": {"outcome": "error", "message": "expecttest"}}
+    assert [p.split(":")[0] for p in peer.verdict({"off": broken, "all": broken}, [])] == [
+        "off", "all"]
 
 
 def test_the_modes_are_the_plugins_flag():
