@@ -5,6 +5,7 @@ matrix, which must name every repro of the current registry (so it goes stale lo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,11 +155,34 @@ def test_a_gpu_column_uses_the_hosts_own_torch(tmp_path, monkeypatch):
     made = {}
     monkeypatch.setattr(venvs, "create_venv", lambda base, venv, system_site=False: made.update(
         system_site=system_site) or venv.mkdir() or venvs.venv_python(venv))
-    monkeypatch.setattr(venvs, "_run", lambda python, args, c, repo: made.update(args=args) or
-                        subprocess.CompletedProcess(args, 0, "", ""))
-    assert venvs.ensure_venv(system, tmp_path, Path.cwd()).ok
+    monkeypatch.setattr(venvs, "_run", lambda argv, c, repo: made.update(args=argv[1:]) or
+                        subprocess.CompletedProcess(argv, 0, "", ""))
+    # pip even where uv is at hand: pip counts the host's torch (system site-packages) as installed
+    assert venvs.ensure_venv(system, tmp_path, Path.cwd(), uv="/bin/uv").ok
     assert made == {"system_site": True, "args": ["-m", "pip", "install", "--progress-bar", "off",
                                                   "numpy"]}
+
+
+def test_uv_installs_a_combinations_own_torch_with_pips_local_wheels(monkeypatch):
+    combo = Combination(name="probe", python="3.11", torch="2.13.0", packages=("numpy",),
+                        lift_pip_cap=True)
+    python = Path("/v/bin/python")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /more")
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    assert venvs.install_command(python, combo, "/bin/uv") == [
+        "/bin/uv", "pip", "install", "--python", "/v/bin/python", "--find-links", "/opt/wheels",
+        "--find-links", "/more", "torch==2.13.0", "numpy"]
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # --wheels: offline for uv too
+    assert "--no-index" in venvs.install_command(python, combo, "/bin/uv")
+    assert venvs.install_command(python, combo, None)[:3] == ["/v/bin/python", "-m", "pip"]
+    monkeypatch.setenv("UV_CONSTRAINT", "ci/constraints-cpu.txt")  # tox's pin of torch 2.13.0
+    seen = {}
+    monkeypatch.setattr(venvs.subprocess, "run", lambda argv, **kw: seen.update(kw["env"]))
+    venvs._run(["/bin/uv", "pip", "install"], combo, Path.cwd())
+    assert "UV_CONSTRAINT" not in seen and seen["PIP_CONFIG_FILE"] == os.devnull
+    uv_error = "  × No solution found when resolving dependencies:\n  ╰─▶ Because torch==9.9.9 ..."
+    assert venvs.last_error_line(uv_error) == "╰─▶ Because torch==9.9.9 ..."
+    assert venvs.last_error_line("Resolved\nerror: Failed to fetch\nhint") == "error: Failed to fetch"
 
 
 # --------------------------------------------------------------------------- matrix + markdown
@@ -250,7 +274,8 @@ def test_install_failure_reports_pips_last_line_and_success_is_reused(tmp_path, 
     monkeypatch.setattr(venvs, "create_venv", lambda base, venv, system_site=False:
                         venv.mkdir(exist_ok=True) or venvs.venv_python(venv))
 
-    def fake_run(python, args, combination, repo):
+    def fake_run(argv, combination, repo):
+        args = argv[1:]
         calls.append(args)
         code = 1 if "repro.verl_release" in args else 0
         return subprocess.CompletedProcess(args, code, "", "ERROR: No matching distribution found "
@@ -276,7 +301,7 @@ def test_run_combination_turns_runner_json_into_cells(tmp_path, monkeypatch):
                         absent=(("torchtitan", TITAN_PIN),))
     (tmp_path / "probe").mkdir()
     monkeypatch.setattr(compat_run, "ensure_venv",
-                        lambda c, root, repo, reinstall: venvs.Install(True, sys.executable, 1.0))
+                        lambda c, root, repo, reinstall, uv: venvs.Install(True, sys.executable, 1.0))
     monkeypatch.setattr(compat_run, "installed_versions", lambda venv: {"torch": "2.13.0"})
     seen = {}
 

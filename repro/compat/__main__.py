@@ -18,6 +18,7 @@ from repro.compat.matrix import Matrix
 from repro.compat.render import render_markdown, with_readme_summary
 from repro.compat.run import now, repro_summaries, run_combination
 from repro.compat.upstream import PROJECTS, parse_checkout, upstream_combination
+from repro.compat.venvs import uv_binary
 from repro.registry import DEVICES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,11 +77,14 @@ def _run(args, combos, out: Path, upstream: dict | None = None) -> Matrix | None
                   file=sys.stderr)
             return None
     start = time.monotonic()
-    if args.wheels:  # read by every pip the venvs run, verl's installer included
+    if args.wheels:  # read by every pip the venvs run (verl's installer included), passed to uv
         os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(args.wheels).resolve()))
     commit = _commit()
+    uv = uv_binary()
+    print(f"installing with {uv or 'pip (no uv found: pip install uv, or tox -m compat)'}",
+          file=sys.stderr)
     results = [run_combination(c, Path(args.root).expanduser(), REPO, device=args.device,
-                               reinstall=args.reinstall,
+                               reinstall=args.reinstall, uv=uv,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
                for c in combos]
     for result in results:

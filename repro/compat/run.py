@@ -38,11 +38,12 @@ def repro_summaries(python: str, repo: Path) -> dict[str, str]:
 
 
 def run_combination(combo: Combination, root: Path, repo: Path, *, device: str = "cpu",
-                    reinstall: bool = False, log=print) -> CombinationResult:
+                    reinstall: bool = False, uv: str | None = None,
+                    log=print) -> CombinationResult:
     result = CombinationResult(combo.name, combo.python, list(combo.requirements), combo.verl,
                                date=now())
     log(f"[{combo.name}] venv under {root} ...")
-    install = ensure_venv(combo, root, repo, reinstall=reinstall)
+    install = ensure_venv(combo, root, repo, reinstall=reinstall, uv=uv)
     result.install_seconds, result.reused_venv = round(install.seconds, 1), install.reused
     if not install.ok:
         log(f"[{combo.name}] could not install: {install.error}")

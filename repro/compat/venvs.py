@@ -3,6 +3,11 @@
 A venv is reused while the spec it was built from (``stackfix-compat.json`` inside it) equals
 the combination's; anything else rebuilds it. The repo itself is not installed: the runner runs
 with the checkout on ``PYTHONPATH``, so one venv serves every commit.
+
+The packages go in with uv where the driver can run it (``tox -m compat`` installs it): one
+download per wheel, hard-linked from uv's cache into every venv, in seconds where pip took
+minutes per combination. A combination on the host's own torch (a venv with system
+site-packages, the GPU column) keeps pip, which counts that torch as installed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 from repro.compat.combos import SYSTEM_TORCH, Combination
 
 MARKER = "stackfix-compat.json"
+# uv's constraint and override files, which tox sets for every env (ci/constraints-cpu.txt pins
+# torch 2.13.0): a combination's requirements alone say what it installs.
+PINS_NOT_PASSED = ("UV_CONSTRAINT", "UV_OVERRIDE", "PIP_CONSTRAINT")
 VERL_DIR = "verl-releases"
 # What the matrix records of each venv (pip names, normalised).
 KEY_PACKAGES = ("torch", "spmd-types", "torchtitan", "megatron-core", "torch-remat", "triton",
@@ -68,9 +76,10 @@ def find_python(version: str) -> str:
 
 
 def last_error_line(text: str) -> str:
-    """pip's verdict: the last ``ERROR:`` line, else the last non-empty line."""
+    """The installer's verdict: the last ``ERROR:`` (pip) or ``error:`` (uv) line, else the last
+    non-empty line (uv's resolver ends with its reason)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("ERROR:")]
+    errors = [line for line in lines if line.startswith(("ERROR:", "error:"))]
     return (errors or lines or ["(no output)"])[-1]
 
 
@@ -93,18 +102,47 @@ def checkout_env(repo: Path, **extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
-def _run(python: Path, args: list[str], combo: Combination, repo: Path):
-    """``python <args>`` in the checkout; pip reads no configuration file if the combination
-    lifts the cap (PIP_CONFIG_FILE=os.devnull is pip's documented off switch)."""
+def uv_binary() -> str | None:
+    """uv's executable where the driver can run one (the ``uv`` package's, else ``uv`` on PATH)."""
+    try:
+        import uv  # the PyPI package ships the binary beside its module
+
+        return uv.find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return shutil.which("uv")
+
+
+def _find_links() -> list[str]:
+    """pip's ``PIP_FIND_LINKS`` (this machine's local wheels, ``--wheels``) as uv arguments: uv
+    reads no pip setting, and without them it downloads PyPI's CUDA torch for a CPU venv."""
+    return [arg for link in os.environ.get("PIP_FIND_LINKS", "").split()
+            for arg in ("--find-links", link)]
+
+
+def install_command(python: Path, combo: Combination, uv: str | None) -> list[str]:
+    """The command that installs ``combo``'s requirements into the venv of ``python``."""
+    if uv and combo.torch != SYSTEM_TORCH:
+        offline = ["--no-index"] if os.environ.get("PIP_NO_INDEX") else []
+        return [uv, "pip", "install", "--python", str(python), *offline, *_find_links(),
+                *combo.requirements]
+    return [str(python), "-m", "pip", "install", "--progress-bar", "off", *combo.requirements]
+
+
+def _run(argv: list[str], combo: Combination, repo: Path):
+    """``argv`` in the checkout; pip reads no configuration file if the combination lifts the cap
+    (PIP_CONFIG_FILE=os.devnull is pip's documented off switch; uv reads none anyway)."""
     env = checkout_env(repo, PIP_DISABLE_PIP_VERSION_CHECK="1")
     if combo.lift_pip_cap:
         env["PIP_CONFIG_FILE"] = os.devnull
-    return subprocess.run([str(python), *args], capture_output=True, text=True, env=env,
-                          cwd=repo, timeout=3600)
+    for pin in PINS_NOT_PASSED:  # the combination names its versions; tox's CPU pin is not one
+        env.pop(pin, None)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=repo, timeout=3600)
 
 
-def ensure_venv(combo: Combination, root: Path, repo: Path, *, reinstall: bool = False) -> Install:
-    """Build ``root/<combo.name>`` unless an identical one exists; never raises for pip."""
+def ensure_venv(combo: Combination, root: Path, repo: Path, *, reinstall: bool = False,
+                uv: str | None = None) -> Install:
+    """Build ``root/<combo.name>`` unless an identical one exists, installing with ``uv`` when
+    given (else pip); never raises for the installer."""
     start = time.monotonic()
     venv = root / combo.name
     marker = venv / MARKER
@@ -116,12 +154,12 @@ def ensure_venv(combo: Combination, root: Path, repo: Path, *, reinstall: bool =
     except LookupError as exc:
         return Install(False, None, time.monotonic() - start, error=str(exc))
     python = create_venv(base, venv, system_site=combo.torch == SYSTEM_TORCH)
-    steps = [["-m", "pip", "install", "--progress-bar", "off", *combo.requirements]]
+    steps = [install_command(python, combo, uv)]
     if combo.verl_versions:  # verl's own installer: pip install --no-deps --target ROOT/VERSION
-        steps.append(["-m", "repro.verl_release", "install", "--root", str(venv / VERL_DIR),
-                      *combo.verl_versions])
-    for args in steps:
-        done = _run(python, args, combo, repo)
+        steps.append([str(python), "-m", "repro.verl_release", "install", "--root",
+                      str(venv / VERL_DIR), *combo.verl_versions])
+    for argv in steps:
+        done = _run(argv, combo, repo)
         if done.returncode != 0:
             return Install(False, str(python), time.monotonic() - start,
                            error=last_error_line(done.stderr or done.stdout))
