@@ -29,7 +29,8 @@ ENTRY_POINTS = {
     "verl.plugins": {"stackfix": "fixes.verl"},
 }
 # Not part of the source tree (built or fetched next to it).
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".tox", ".venv", ".ci-venv", "__pycache__", "build",
+_NOT_SOURCE = shutil.ignore_patterns(".git", ".tox", ".tox-*", ".ci-bench.log", ".venv",
+                                     ".ci-venv", "__pycache__", "build",
                                      "dist", "*.egg-info", ".whl", ".gpu", ".megatron-lm",
                                      ".megatron-main", ".verl-releases", ".pytest_cache",
                                      ".hypothesis", ".benchmarks")
