@@ -262,8 +262,9 @@ COMPAT_MATRIX = RESULTS_DIR.parent / "compat" / "matrix.json"
 def with_compat_summary(text: str, matrix_path: Path = COMPAT_MATRIX,
                         history: History | None = None) -> str:
     """``text`` with the README's compat line regenerated from the committed matrix, saying
-    "older than the code" when ``fixes/`` or ``repro/`` changed after the matrix's commit (as the
-    figures' rows do). ``text`` unchanged when it has no compat block or no matrix exists."""
+    "older than the code" when ``fixes/`` or ``repro/`` changed after the commit any of its
+    combinations ran (as the figures' rows do: a matrix merged from runs at several commits is as
+    old as its oldest). ``text`` unchanged when it has no compat block or no matrix exists."""
     import json
 
     from repro.compat.matrix import Matrix
@@ -273,9 +274,12 @@ def with_compat_summary(text: str, matrix_path: Path = COMPAT_MATRIX,
     if C_BEGIN not in text or not matrix_path.is_file():
         return text
     matrix = Matrix.from_json(json.loads(matrix_path.read_text()))
-    age = freshness(matrix.commit.removesuffix("-dirty"), "compat", history or History())
+    history = history or History()
+    commits = {c.commit or matrix.commit for c in matrix.combinations} or {matrix.commit}
+    ages = [freshness(commit.removesuffix("-dirty"), "compat", history) for commit in commits]
+    changed = sorted({path for age in ages for path in age.changed})
     # no commit named: the line changes only when the matrix's age does (as the table's rows)
-    older = f"{', '.join(age.changed) or 'its code'} changed after it" if age.stale else ""
+    older = f"{', '.join(changed) or 'its code'} changed after it" if any(a.stale for a in ages) else ""
     return with_readme_summary(text, matrix, older)
 
 

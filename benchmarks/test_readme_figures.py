@@ -95,3 +95,36 @@ def test_the_compat_line_says_when_the_matrix_is_older_than_the_code(tmp_path, c
     older = "**Older than the code:** fixes/, repro/ changed after it" in new
     assert older is bool(changed_after)
     assert ("tox -m compat" in new) is bool(changed_after)
+
+
+class _OneOldCommit(_History):
+    """A history in which the code changed after ``old`` only."""
+
+    def __init__(self, old: str):
+        self.old = old
+
+    def last_change(self, since, paths):
+        return "c" * 40 if since == self.old else ""
+
+
+def test_a_merged_matrix_is_as_old_as_its_oldest_combination(tmp_path):
+    """A matrix whose newest run is current but one combination ran before the code changed is
+    older than the code (the merged matrix's own commit is its newest run's)."""
+    import json
+
+    from repro.compat.render import README_BEGIN, README_END
+
+    matrix = json.loads(headline.COMPAT_MATRIX.read_text())
+    combos = matrix["combinations"]
+    assert len(combos) >= 2
+    for c in combos:
+        c["commit"] = "b" * 8
+    combos[0]["commit"] = "a" * 8
+    matrix["commit"] = "b" * 8
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps(matrix))
+    text = f"{README_BEGIN}\nold line\n{README_END}\n"
+    assert "**Older than the code:**" in headline.with_compat_summary(
+        text, path, history=_OneOldCommit("a" * 8))
+    assert "**Older than the code:**" not in headline.with_compat_summary(
+        text, path, history=_OneOldCommit("d" * 8))

@@ -36,6 +36,7 @@ when inputs are returned") keeps an output whose storage ``data_ptr`` is an inpu
 
 from __future__ import annotations
 
+import inspect
 import signal
 from dataclasses import dataclass
 
@@ -64,7 +65,11 @@ class SharedOutputConfig:
 
 class ResidualRMSNorm(nn.Module):
     """RMSNorm returning ``(normed, residual)``, ``residual`` the input itself -- the contract of
-    megatron's ``TEFusedResidualRMSNorm``; built from a layer spec as megatron's norms are."""
+    megatron's ``TEFusedResidualRMSNorm``; built from a layer spec as megatron's norms are.
+    ``returns_residual``: how Megatron-LM main's layer learns that a norm returns the pair (TE's
+    norm sets it); the releases look for a tuple instead."""
+
+    returns_residual = True
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
@@ -118,14 +123,29 @@ def _grads(layer, inp) -> dict[str, torch.Tensor]:
     return grads
 
 
+def why_not_applicable(version: str, config_cls, checkpoint_cls) -> str | None:
+    """Why the layer repro does not apply to a megatron-core whose ``TransformerConfig`` and
+    ``CheckpointWithoutOutput`` are these, or None where the layer frees the residual."""
+    if "fused_residual_rmsnorm" not in config_cls.__dataclass_fields__:
+        return (f"n/a on megatron-core {version}: its TransformerLayer has no (output, residual) "
+                "norm path (fused_residual_rmsnorm); shared-output-discard-class runs the class "
+                "itself")
+    if "retain_input_tensors" in inspect.signature(checkpoint_cls.__init__).parameters:
+        return (f"n/a on megatron-core {version}: its TransformerLayer keeps a norm's residual "
+                "(retain_input_tensors=True where the norm declares returns_residual, Megatron-LM "
+                "#4497); shared-output-discard-class shows every other CheckpointWithoutOutput "
+                "user still frees it")
+    return None
+
+
 def _require_residual_norm_path() -> None:
     from megatron.core import __version__
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if "fused_residual_rmsnorm" not in TransformerConfig.__dataclass_fields__:
-        raise Skipped(f"n/a on megatron-core {__version__}: its TransformerLayer has no (output, "
-                      "residual) norm path (fused_residual_rmsnorm); shared-output-discard-class "
-                      "runs the class itself")
+    why = why_not_applicable(__version__, TransformerConfig, CheckpointWithoutOutput)
+    if why is not None:
+        raise Skipped(why)
 
 
 def run(fixed: bool, device: str, cfg: SharedOutputConfig = SharedOutputConfig()) -> None:

@@ -437,3 +437,25 @@ def test_a_tree_without_git_is_refused_a_cell_must_name_its_commit(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     with pytest.raises(ValueError, match="not a git checkout"):
         upstream_combination("torchtitan", tmp_path)
+
+
+def test_a_run_is_dirty_only_where_the_code_it_runs_changed(tmp_path, monkeypatch):
+    """The matrix and README a previous run wrote leave the next run's commit clean; an
+    uncommitted change under fixes/ or repro/ (a new file too) makes it -dirty."""
+    import repro.compat.__main__ as driver
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("fixes/a.py", "repro/b.py", "README.md", "benchmarks/results/compat/matrix.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(driver, "REPO", tmp_path)
+    (tmp_path / "README.md").write_text("the compat line\n")
+    (tmp_path / "benchmarks/results/compat/matrix.md").write_text("a new matrix\n")
+    assert not driver._commit().endswith("-dirty")
+    (tmp_path / "repro/new.py").write_text("y\n")
+    assert driver._commit().endswith("-dirty")

@@ -130,3 +130,40 @@ def test_apply_is_idempotent_and_remove_restores_megatrons_own():
         remove_output_discard_patch()
     assert {n: vars(cls)[n] for n in vars(cls) if callable(vars(cls)[n])} == before
     assert vars(mrandom).get("_get_share_storage") is share
+
+
+@pytest.mark.cpu
+def test_the_layer_repro_is_na_where_megatron_keeps_a_declared_residual():
+    """Megatron-LM main (#4497) passes ``retain_input_tensors=True`` where a norm declares
+    ``returns_residual`` (the repro's norm does, as TE's does): the layer's crash is fixed there,
+    and the layer repro says n/a naming why; a release's class (no such parameter) runs it."""
+    from dataclasses import dataclass
+
+    from repro.shared_output_discard import ResidualRMSNorm, why_not_applicable
+
+    @dataclass
+    class Config:  # a release with the (output, residual) norm path (0.17+)
+        fused_residual_rmsnorm: bool = False
+
+    @dataclass
+    class OldConfig:  # 0.16.1: no such path
+        normalization: str = "RMSNorm"
+
+    class Released:  # 0.16.1 - 0.19.2: frees every output
+        def __init__(self, fp8=False, ckpt_manager=None):
+            pass
+
+    class Main:  # Megatron-LM main 19deef67+
+        def __init__(self, fp8=False, ckpt_manager=None, retain_input_tensors=False):
+            pass
+
+    assert ResidualRMSNorm.returns_residual is True
+    assert why_not_applicable("0.19.2", Config, Released) is None
+    assert "#4497" in why_not_applicable("0.20.0", Config, Main)
+    assert why_not_applicable("0.20.0", Config, Main).startswith("n/a on megatron-core 0.20.0:")
+    assert "no (output, residual) norm path" in why_not_applicable("0.16.1", OldConfig, Released)
+    # the installed megatron-core's real classes take one of these answers
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    real = why_not_applicable("installed", TransformerConfig, mrandom.CheckpointWithoutOutput)
+    assert real is None or real.startswith("n/a on megatron-core installed:")

@@ -27,6 +27,11 @@ ROOT_ENV = "STACKFIX_COMPAT_ROOT"
 DEFAULT_ROOT = "~/.cache/stackfix/compat-envs"
 
 
+# The code the cells run: a change elsewhere (the matrix a previous run wrote, the README's line
+# on it) leaves the run's commit clean.
+RUN_CODE = ("fixes", "repro")
+
+
 def _commit() -> str:
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
@@ -34,7 +39,7 @@ def _commit() -> str:
     head = git("rev-parse", "--short=8", "HEAD")
     if head.returncode != 0:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    dirty = git("status", "--porcelain", "--", *RUN_CODE).stdout.strip()
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
