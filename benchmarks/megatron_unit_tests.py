@@ -30,7 +30,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from benchmarks._child_pytest import run_with_report
+from benchmarks._child_pytest import comma_choices, run_with_report
 
 DEFAULT_FILES = (
     "tests/unit_tests/tensor_parallel/test_random.py",
@@ -122,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per child pytest")
     p.add_argument("--json", type=Path, help="write outcomes and differences here")
     args = p.parse_args(argv)
-    reclaims = [r.strip() for r in args.reclaims.split(",") if r.strip()]
-    unknown = [r for r in reclaims if r not in RECLAIMS]
-    if unknown:
-        p.error(f"unknown reclaim(s) {', '.join(unknown)}; allowed: {', '.join(RECLAIMS)}")
-    if "none" not in reclaims:
-        reclaims.insert(0, "none")
+    reclaims = comma_choices(p, args.reclaims, RECLAIMS, "none", "reclaim(s)")
     files = [f.strip() for f in args.files.split(",") if f.strip()]
     missing = [f for f in files if not (args.tests / f).is_file()]
     if missing:

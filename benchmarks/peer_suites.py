@@ -37,7 +37,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from benchmarks._child_pytest import run_with_report
+from benchmarks._child_pytest import comma_choices, run_with_report
 
 # What runs: pytest arguments relative to the checkout, and the -k that picks the checkpoint
 # tests of test_autograd.py (case-insensitive: the two classes and TestAutograd's tests whose
@@ -257,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child pytest")
     p.add_argument("--out", type=Path, help="write outcomes and differences here (JSON)")
     args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        p.error(f"unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
-    modes = ["off", *(m for m in modes if m != "off")]
+    modes = comma_choices(p, args.modes, MODES, "off", "mode(s)")
     root = args.pytorch_tests.resolve()
     missing = [t.split("::")[0] for t in TESTS if not (root / t.split("::")[0]).is_file()]
     if missing:
