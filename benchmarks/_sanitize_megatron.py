@@ -6,11 +6,16 @@ and its step-time cost.
 One child interpreter per (model, device): build, the model's first two steps under the
 sanitizer (the detect tier; the locator would run in the second only after a detection in the
 first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
-within what two unsanitized steps differ by), then ``steps`` timed steps of each, interleaved
+within what two unsanitized steps differ by), then ``steps`` rounds of each mode, interleaved
 (none, all, sampled, metadata-only, and the sanitizer entered with no region watched,
-``_entered_no_region``; ``benchmarks._spread``). Prints ``SANITIZE-MEGATRON {json}``: regions,
-tensors compared, detections, the gradient distances, per mode the median step time and the
-median of the step-by-step ratios, each with every step (``*_repeats``).
+``_entered_no_region``; ``benchmarks._spread``). A round enters the mode and runs two steps:
+the second is the timed one -- a step of a sanitizer left on, as a training run enters it once
+(``values="sampled"`` / ``"none"`` keep their walk of the modules from step to step,
+``fixes.sanitize._reach.Walks``) -- and the first, which pays the entry and the first walk, is
+recorded beside it (``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions,
+tensors compared, detections, the fresh walks of the modules, the gradient distances, per mode
+the median step time and the median of the round-by-round ratios, each with every round
+(``*_repeats``).
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
@@ -114,34 +119,45 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
               "fingerprints": sanitizer.fingerprints,  # detect-tier prints, both sides
               "saved_compared": sanitizer.saved_compared,
               "outputs_compared": sanitizer.outputs_compared,
-              "declared_ops": sanitizer.declared_ops, "grad_noise": noise,
+              "declared_ops": sanitizer.declared_ops, "module_walks": sanitizer.module_walks,
+              "grad_noise": noise,
               "grad_distance": distance(sanitized, reference)}
+    first: dict[str, list[float]] = {name: [] for name in MODES}
+
     def timed_step(name: str) -> float:
+        """The mode entered for two steps: the second's time; the first's kept in ``first``."""
         with _mode(name):
-            t = now()
+            t0 = now()
             step()
-            return now() - t
+            t1 = now()
+            step()
+            t2 = now()
+        first[name].append(t1 - t0)
+        return t2 - t1
 
     times = interleaved(list(MODES), timed_step, steps)
-    ratios = ratios_to(times, "none")
-    for name in MODES:
-        result[f"{name}_step_s"] = statistics.median(times[name])
-        result[f"{name}_step_s_repeats"] = times[name]
-        result[f"{name}_step_time_ratio"] = statistics.median(ratios[name])
-        result[f"{name}_step_time_ratio_repeats"] = ratios[name]
+    for prefix, measured in (("", times), ("first_", first)):
+        ratios = ratios_to(measured, "none")
+        for name in MODES:
+            result[f"{name}_{prefix}step_s"] = statistics.median(measured[name])
+            result[f"{name}_{prefix}step_s_repeats"] = measured[name]
+            result[f"{name}_{prefix}step_time_ratio"] = statistics.median(ratios[name])
+            result[f"{name}_{prefix}step_time_ratio_repeats"] = ratios[name]
     if profile:
         _profile(step, profile)
     return result
 
 
 def _profile(step, path: str) -> None:
-    """One sanitized step per mode under cProfile: the host functions by own time."""
+    """One sanitized step per mode under cProfile (the second of the mode's entry, as the
+    timed one): the host functions by own time."""
     out = io.StringIO()
     for name in MODES:
         if MODES[name] in (None, "entered"):
             continue
         profiler = cProfile.Profile()
         with _mode(name):
+            step()
             profiler.enable()
             step()
             profiler.disable()

@@ -55,7 +55,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
     # the sanitizers' step-time ratios, alone on the GPU (the refresh's last session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 180, json="bench-gpu-sanitize.json",
+        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 330, json="bench-gpu-sanitize.json",
         alone=True)
     return {
         # the whole gpu suite and the skip audit; the GPU main job
@@ -116,15 +116,17 @@ def _steps(out: str) -> dict[str, list[Step]]:
                 PY, "-m", "benchmarks.fused_print", "--device", "cuda", "--size", "1024x2048",
                 "--dtypes", "fp32,bf16", "--json", o("fused-print.json")], 300,
                 json="fused-print.json")],
-        # where a sanitized step's host time goes on the real MoE GPT (cProfile per values
-        # mode; aux loss off and on, full and MoE-layer recompute)
+        # where a sanitized step's host time goes on the real MoE GPT in bf16, whose steps are
+        # the shortest (cProfile per values mode; aux loss off and on, full and MoE-layer
+        # recompute)
         "sanitizer-profile": [Step(f"sanitize-moe-{name}", [
             PY, "-m", "benchmarks._sanitize_megatron", "--model", "moe", "--device", "cuda",
-            "--size", "1024x2048", "--steps", "4", *args.split(), "--profile",
-            o(f"profile-moe-{name}.txt")], 100, json=f"profile-moe-{name}.txt")
-            for name, args in (("aux0-full", "--aux-loss 0 --recompute full"),
-                               ("aux0p01-full", "--aux-loss 0.01 --recompute full"),
-                               ("aux0p01-moe-layer", "--aux-loss 0.01 --recompute moe-layer"))],
+            "--size", "1024x2048", "--dtype", "bf16", "--steps", "4", *args.split(),
+            "--profile", o(f"profile-moe-{name}.txt")], 100, json=f"profile-moe-{name}.txt")
+            for name, args in (("bf16-aux0-full", "--aux-loss 0 --recompute full"),
+                               ("bf16-aux0p01-full", "--aux-loss 0.01 --recompute full"),
+                               ("bf16-aux0p01-moe-layer",
+                                "--aux-loss 0.01 --recompute moe-layer"))],
         # two GPUs (kind nvidia-h200-x2): the MoE GPT with its experts over two NCCL ranks, the
         # bench's cells and the CLI's step times; the suite's and the repros' two-rank tests
         # run in "suite" and "repro" once two GPUs are there

@@ -63,7 +63,7 @@ def test_a_kept_walk_is_not_reused_for_another_module_at_a_reused_id():
     key = (id(model),)
     stale = walks._kept[key]
     other = types.SimpleNamespace()  # a stand-in where the module was: the weakref no longer
-    walks._kept[key] = ([lambda: other], stale[1])  # names this module
+    walks._kept[key] = ([lambda: other], *stale[1:])  # names this module
     got = walks.reached([model], fresh=False)
     assert {id(t) for t in got} >= {id(p) for p in model.parameters()}
     assert walks._kept[key][0][0]() is model
@@ -112,3 +112,88 @@ def test_a_fresh_walk_is_done_once_a_round_for_one_set_of_modules():
     assert id(model[0].late) not in {id(t) for t in walks.reached([model], fresh=True)}
     walks.new_round()
     assert id(model[0].late) in {id(t) for t in walks.reached([model], fresh=True)}
+
+
+def _counting(monkeypatch) -> list:
+    calls = []
+    walk = _reach._walk
+    monkeypatch.setattr(_reach, "_walk", lambda modules: calls.append(1) or walk(modules))
+    return calls
+
+
+def test_a_kept_walk_lasts_across_rounds_while_nothing_it_could_miss_changed(monkeypatch):
+    """``values="sampled"`` / ``"none"`` (fresh=False): one walk for many steps -- the fresh
+    walk of megatron's module tree was most of those modes' host time a step."""
+    calls = _counting(monkeypatch)
+    model = _model(_Config())
+    walks = _reach.Walks()
+    with walks.watching():
+        for _ in range(_reach.REWALK_ROUNDS - 1):
+            got = walks.reached([model], fresh=False)
+            walks.new_round()
+    assert len(calls) == walks.walked == 1
+    assert {id(p) for p in model.parameters()} <= {id(t) for t in got}
+
+
+@pytest.mark.parametrize("how", ["buffer", "parameter", "module"])
+def test_a_registration_anywhere_makes_the_next_walk_fresh(monkeypatch, how):
+    calls = _counting(monkeypatch)
+    model = _model(_Config())
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=False)
+        walks.new_round()
+        if how == "buffer":
+            model[0].register_buffer("late", torch.ones(3))
+            late = model[0].late
+        elif how == "parameter":
+            model[1].late = torch.nn.Parameter(torch.ones(3))
+            late = model[1].late
+        else:
+            model[2].sub = torch.nn.Linear(2, 2)
+            late = model[2].sub.weight
+        got = walks.reached([model], fresh=False)
+    assert len(calls) == 2
+    assert id(late) in {id(t) for t in got}
+
+
+def test_a_rebound_attribute_whose_old_tensor_died_is_seen_from_the_next_region():
+    """Megatron's token dispatcher rebinds its routing state each forward."""
+    model = _model(_Config())
+    model[0].cache = torch.zeros(2)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=False)
+        model[0].cache = torch.ones(2)  # the old tensor is freed: its weak reference died
+        got = walks.reached([model], fresh=False)
+    assert id(model[0].cache) in {id(t) for t in got}
+    assert walks.walked == 1 and walks.rescanned == 1  # that module alone, scanned again
+
+
+def test_a_tensor_attached_where_no_hook_sees_it_is_seen_within_rewalk_rounds():
+    model = _model(_Config())
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=False)
+        model[0].late = torch.ones(3)  # a plain tensor attribute: no registration hook runs
+        for _ in range(_reach.REWALK_ROUNDS - 1):
+            walks.new_round()
+            assert id(model[0].late) not in {id(t) for t in walks.reached([model], fresh=False)}
+        walks.new_round()
+        assert id(model[0].late) in {id(t) for t in walks.reached([model], fresh=False)}
+
+
+def test_the_registration_hooks_go_when_the_walks_stop_watching():
+    from torch.nn.modules import module as nn_module
+
+    hooks = (nn_module._global_parameter_registration_hooks,
+             nn_module._global_buffer_registration_hooks,
+             nn_module._global_module_registration_hooks)
+    before = [len(h) for h in hooks]
+    walks = _reach.Walks()
+    with walks.watching():
+        assert [len(h) for h in hooks] == [n + 1 for n in before]
+        with pytest.raises(RuntimeError, match="already watching"):
+            with walks.watching():
+                pass
+    assert [len(h) for h in hooks] == before

@@ -236,6 +236,33 @@ def test_clean_regions_pass_with_unchanged_gradients(kind, values):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("values,walks", [("all", 4), ("sampled", 1), ("none", 1)])
+def test_the_modules_are_walked_once_a_step_in_all_and_once_while_unchanged_otherwise(
+        values, walks):
+    """The walk of what the regions reach (``_reach.Walks``): ``all`` walks anew each step;
+    ``sampled`` / ``none`` keep one walk while no module, parameter or buffer is registered;
+    a registration makes the next region walk anew, and the registration hooks go on exit."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = len(nn_module._global_buffer_registration_hooks)
+    model = _model()
+    layers = [model[:2], model[2:]]
+    with recompute_sanitizer(values=values) as sanitizer:
+        for _ in range(4):
+            h = torch.randn(4, 8, requires_grad=True)
+            for layer in layers:  # two regions a step, each its own set of modules
+                h = checkpoint(layer, h, use_reentrant=True)
+            h.sum().backward()
+        assert sanitizer.module_walks == walks * 2
+        model[0].register_buffer("late", torch.zeros(2))
+        checkpoint(layers[0], torch.randn(4, 8, requires_grad=True),
+                   use_reentrant=True).sum().backward()
+        assert sanitizer.module_walks == walks * 2 + 1
+        assert len(nn_module._global_buffer_registration_hooks) == hooks + 1
+    assert len(nn_module._global_buffer_registration_hooks) == hooks
+    assert sanitizer.detections == 0
+
+
 def test_non_reentrant_recompute_stops_after_the_last_saved_tensor():
     """Early stop: the recompute runs a prefix of the forward (here: without the final sin,
     whose input is the last saved tensor) and passes."""

@@ -16,8 +16,9 @@ Per region (a ``Watch``):
   the parameters, buffers and tensor attributes of the modules its function and arguments
   hold) -- small non-parameter ones by their contents before and after (batch norm updates its
   running statistics without bumping their version counter), the others by version counter
-  (``_reach``: the walk of the modules is kept between fresh walks, every region in ``all``,
-  every ``sample_every``-th of a call site in the other modes).
+  (``_reach``: the walk of the modules is done anew once a step in ``all``; in the other
+  modes it is kept while no parameter, buffer or module is registered and none it found is
+  freed, for at most ``REWALK_ROUNDS`` steps).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
 object that is no module), a rebound Python attribute, state outside tensors (a communicator

@@ -8,11 +8,15 @@ the detect tier's check of writes outside the region (``_detect``).
   walking it again under each of an MoE layer's thousand modules was most of a sanitized
   step's host time on the H200 (``values="none"`` cost 1.41x a step at H=1024).
 * ``Walks``: the walk of a region's modules (their subtrees and attributes: the costly part)
-  kept per set of modules, and redone when the caller asks (``fresh``: the sanitizer asks for
-  every region in ``values="all"``, and for every ``sample_every``-th region of a call site,
-  rotating, in the other modes), once a round at most. Between two walks the tensors the
-  last one found are checked: a tensor attached to a module after it is seen from the next
-  walk on.
+  kept per set of modules, across rounds, while nothing it could have missed changed: no
+  parameter, buffer or submodule was registered anywhere (torch's global registration hooks,
+  held while the sanitizer is entered: ``watching``), and it is fewer than ``REWALK_ROUNDS``
+  rounds old (a tensor attached where no hook sees it -- a new plain attribute -- is seen by
+  then). A module holding a tensor the walk found that was freed since (an attribute rebound
+  to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone. ``fresh`` asks for a walk done in this round (the sanitizer asks for every region
+  in ``values="all"``): at most one a round per set of modules. Between two walks the tensors
+  the last one found are checked. A fresh walk every round was ``values="none"``'s whole cost
+  on a bf16 MoE step (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``).
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
@@ -24,8 +28,10 @@ the detect tier's check of writes outside the region (``_detect``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -34,48 +40,101 @@ from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
-__all__ = ["SMALL_STATE_BYTES", "State", "Walks", "reached", "roots_of"]
+__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "State", "Walks", "reached", "roots_of"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _WIDE = 64  # a container's first items walked
+REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 
 
 def reached(roots) -> list[torch.Tensor]:
     """The plain tensors reachable from ``roots`` (see the module docstring)."""
     tensors, modules = _roots(roots)
-    for t in _walk(list(modules.values())):
-        tensors.setdefault(id(t), t)
+    for _, found in _walk(list(modules.values())):
+        for t in found:
+            tensors.setdefault(id(t), t)
     return list(tensors.values())
 
 
 class Walks:
-    """The walks of modules, kept per set of modules (see the module docstring). A fresh walk
-    is done at most once per set of modules and round (``new_round``: the sanitizer's, after
-    each backward): the regions of one call site (megatron's layers, each checkpointed with
-    the whole block in its closure) share one walk a step."""
+    """The walks of modules, kept per set of modules (see the module docstring): the regions
+    of one call site (megatron's layers, each checkpointed with the whole block in its closure)
+    share one walk, for as long as it holds."""
 
     def __init__(self):
-        # module ids -> (the modules, the tensors the walk found, both weakly; its round)
-        self._kept: dict[tuple[int, ...], tuple[list, list, int]] = {}
+        # module ids -> (the modules, weakly; per (sub)module walked: [it, the tensors found
+        # in it], weakly; the walk's round; the registrations seen before it)
+        self._kept: dict[tuple[int, ...], tuple[list, list[list], int, int]] = {}
         self._round = 0
+        self._registered = 0  # parameters, buffers and modules registered while watching
+        self._hooks: list | None = None
+        self.walked = 0  # fresh walks done
+        self.rescanned = 0  # modules scanned again: a tensor found in them was freed
 
     def new_round(self) -> None:
         self._round += 1
 
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Counts every parameter, buffer and submodule registered in the process (torch's
+        global registration hooks) while entered: each makes the kept walks fresh."""
+        if self._hooks is not None:
+            raise RuntimeError("Walks.watching: already watching")
+
+        def registered(*_):
+            self._registered += 1  # returns None: the registered value is left as it is
+
+        nn_module = torch.nn.modules.module
+        self._hooks = [register(registered) for register in (
+            nn_module.register_module_parameter_registration_hook,
+            nn_module.register_module_buffer_registration_hook,
+            nn_module.register_module_module_registration_hook)]
+        try:
+            yield
+        finally:
+            hooks, self._hooks = self._hooks, None
+            for handle in hooks:
+                handle.remove()
+
+    def _kept_tensors(self, key: tuple[int, ...], modules: dict, fresh: bool):
+        """The kept walk's tensors, or None where it no longer holds. A module holding a
+        tensor that was freed (megatron's token dispatcher rebinds its routing state each
+        forward) is scanned again, alone: its attributes may hold another now."""
+        kept = self._kept.get(key)
+        if kept is None:
+            return None
+        refs, walked, walked_round, registered = kept
+        if (registered != self._registered or self._round - walked_round >= REWALK_ROUNDS
+                or fresh and walked_round != self._round
+                or not all(r() is m for r, m in zip(refs, modules.values(), strict=True))):
+            return None
+        found: list[torch.Tensor] = []
+        scan = None
+        for entry in walked:
+            sub = entry[0]()
+            if sub is None:  # a module was freed: the tree changed
+                return None
+            tensors = [r() for r in entry[1]]
+            if any(t is None for t in tensors):
+                scan = scan or _Scan()
+                tensors = scan.module(sub)
+                entry[1] = [weakref.ref(t) for t in tensors]
+                self.rescanned += 1
+            found += tensors
+        return found
+
     def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
         tensors, modules = _roots(roots)
         key = tuple(modules)
-        kept = self._kept.get(key)
-        if kept is not None and (fresh and kept[2] != self._round or not all(
-                r() is m for r, m in zip(kept[0], modules.values(), strict=True))):
-            kept = None
-        if kept is not None:
-            found = [t for r in kept[1] if (t := r()) is not None]
-        else:
-            found = _walk(list(modules.values()))
+        found = self._kept_tensors(key, modules, fresh)
+        if found is None:
+            walked = _walk(list(modules.values()))
+            self.walked += 1
             self._kept[key] = ([weakref.ref(m) for m in modules.values()],
-                               [weakref.ref(t) for t in found], self._round)
+                               [[weakref.ref(sub), [weakref.ref(t) for t in ts]]
+                                for sub, ts in walked], self._round, self._registered)
+            found = [t for _, ts in walked for t in ts]
         for t in found:
             tensors.setdefault(id(t), t)
         return list(tensors.values())
@@ -137,48 +196,66 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
     return tensors, modules
 
 
-def _walk(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """Every parameter, buffer and tensor attribute of ``modules`` and their submodules."""
-    tensors: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()  # containers and plain objects walked already
-    tensor = functools.partial(_tensor, tensors)
+class _Scan:
+    """One pass over modules' own tensors: each container and plain object visited once
+    (``seen``), each tensor found once (``tensors``)."""
 
-    def attribute(value, depth: int) -> None:
+    def __init__(self):
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.seen: set[int] = set()
+        self._new: list[torch.Tensor] = []
+
+    def _add(self, t: torch.Tensor) -> None:
+        if type(t) in _PLAIN and id(t) not in self.tensors:
+            self.tensors[id(t)] = t
+            self._new.append(t)
+
+    def _attribute(self, value, depth: int) -> None:
         """Tensors held in a module's attributes: directly, or in a dict, list or plain
         object they hold (TransformerEngine's ``fp8_meta``), two levels deep."""
         if isinstance(value, torch.Tensor):
-            tensor(value)
+            self._add(value)
         elif depth >= 2 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float)):
             return
-        elif id(value) in seen:
+        elif id(value) in self.seen:
             return
         elif isinstance(value, dict):
-            seen.add(id(value))
+            self.seen.add(id(value))
             for x in list(value.values())[:_WIDE]:
-                attribute(x, depth + 1)
+                self._attribute(x, depth + 1)
         elif isinstance(value, (list, tuple)):
-            seen.add(id(value))
+            self.seen.add(id(value))
             for x in value[:_WIDE]:
-                attribute(x, depth + 1)
+                self._attribute(x, depth + 1)
         elif not callable(value) and isinstance(getattr(value, "__dict__", None), dict):
-            seen.add(id(value))
+            self.seen.add(id(value))
             for x in list(vars(value).values())[:_WIDE]:
-                attribute(x, depth + 1)
+                self._attribute(x, depth + 1)
 
-    walked: set[int] = set()
+    def module(self, sub: torch.nn.Module) -> list[torch.Tensor]:
+        """``sub``'s own parameters, buffers and tensor attributes (not its submodules'), less
+        those this pass found before."""
+        self._new = []
+        for name, value in sub.__dict__.items():  # attributes that are no parameter/buffer
+            if not name.startswith("_"):
+                self._attribute(value, 0)
+        for t in (*sub._parameters.values(), *sub._buffers.values()):
+            if t is not None:
+                self._add(t)
+        new, self._new = self._new, []
+        return new
+
+
+def _walk(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
+    """Every parameter, buffer and tensor attribute of ``modules`` and their submodules, per
+    (sub)module that holds it."""
+    scan, walked, out = _Scan(), set(), []
     for module in modules:
         for sub in module.modules():
-            if id(sub) in walked:  # a submodule of another root module
-                continue
-            walked.add(id(sub))
-            for name, value in sub.__dict__.items():  # attributes that are no parameter/buffer
-                if not name.startswith("_"):
-                    attribute(value, 0)
-            for t in (*sub._parameters.values(), *sub._buffers.values()):
-                if t is not None:
-                    tensor(t)
-    attribute = None  # a cycle through its closure, as ``visit``'s in _roots
-    return list(tensors.values())
+            if id(sub) not in walked:  # else a submodule of another root module
+                walked.add(id(sub))
+                out.append((sub, scan.module(sub)))
+    return out
 
 
 def _small(t: torch.Tensor) -> bool:

@@ -131,6 +131,12 @@ class RecomputeSanitizer:
     def _on(self) -> bool:
         return _slot.holds(self)
 
+    @property
+    def module_walks(self) -> int:
+        """Fresh walks of the regions' modules (``_reach.Walks``: ``all`` once a step per set
+        of modules; the other modes while the walk holds)."""
+        return self._walks.walked
+
     def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
                roots: list | None = None) -> Watch | Region:
         """The detect tier's ``Watch`` for a new region; the locator's ``Region`` (the op
@@ -154,7 +160,7 @@ class RecomputeSanitizer:
             return region
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
                       reentrant, self._printed(position, rounds), self._found, self._walks,
-                      fresh=self.values == "all" or self._rotated(position, rounds))
+                      fresh=self.values == "all")
         watch.position = position
         return watch
 
@@ -172,7 +178,7 @@ class RecomputeSanitizer:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        self._walks.new_round()  # a backward ended: the next forwards walk their modules anew
+        self._walks.new_round()  # a backward ended: values="all" walks its modules anew
         flags: dict = {}
         suspects: set[int] = set()
         for i, check in enumerate(pending):
@@ -214,9 +220,6 @@ class RecomputeSanitizer:
             return True
         if self.values == "none":
             return False
-        return self._rotated(position, rounds)
-
-    def _rotated(self, position: int, rounds: int) -> bool:
         return (position + rounds) % self.sample_every == 0
 
     def _found(self, watch: Watch, found: Detection) -> None:
@@ -428,7 +431,8 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
             hook = OnImport(later)
             sys.meta_path.insert(0, hook)
         try:
-            yield sanitizer
+            with sanitizer._walks.watching():
+                yield sanitizer
         except Exception:
             # A detection made during a backward comes before the program's own later failure
             # (a wrong result it checks, say): it names the cause, with that failure as context.
