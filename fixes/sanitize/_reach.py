@@ -13,10 +13,11 @@ the detect tier's check of writes outside the region (``_detect``).
   held while the sanitizer is entered: ``watching``), and it is fewer than ``REWALK_ROUNDS``
   rounds old (a tensor attached where no hook sees it -- a new plain attribute -- is seen by
   then). A module holding a tensor the walk found that was freed since (an attribute rebound
-  to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone. ``fresh`` asks for a walk done in this round (the sanitizer asks for every region
-  in ``values="all"``): at most one a round per set of modules. Between two walks the tensors
-  the last one found are checked. A fresh walk every round was ``values="none"``'s whole cost
-  on a bf16 MoE step (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``).
+  to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone.
+  ``fresh`` asks for a walk done in this round (the sanitizer asks for every region in
+  ``values="all"``): at most one a round per set of modules. A fresh walk every round was
+  the largest host cost of ``values="none"`` on megatron's MoE
+  (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``).
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
