@@ -57,6 +57,25 @@ def _steps(out: str) -> dict[str, list[Step]]:
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
         f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 330, json="bench-gpu-sanitize.json",
         alone=True)
+    # the benchmarks' memory sessions, side by side (their figures are per process)
+    memory = [
+        *(Step(f"bench-gpu-megatron-{model}-{size}", [
+            *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
+            f"({select}) and {size}", "-p", "no:xdist", "-q",
+            f"--benchmark-json={o(f'bench-gpu-megatron-{model}-{size}.json')}"],
+            330, json=f"bench-gpu-megatron-{model}-{size}.json")
+          for model, select in (("moe", "moe- and not kept and not ep2"),
+                                ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
+          for size in ("1024x2048", "2048x4096")),
+        # -v and a traceback of every thread of a test still running after 120 s: this
+        # session was cut at its limit twice with nothing to say where it stood
+        Step("bench-gpu-stack", [
+            *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-v",
+            "-o", "faulthandler_timeout=120",
+            "--ignore=benchmarks/test_bench_megatron_scale.py",
+            "--ignore=benchmarks/test_bench_sanitize.py",
+            f"--benchmark-json={o('bench-gpu-stack.json')}"], 330, json="bench-gpu-stack.json"),
+    ]
     return {
         # the whole gpu suite and the skip audit; the GPU main job
         "suite": [Step("pytest-gpu", [*PYTEST, "tests", "-m", "gpu", "-n", "8", "-q",
@@ -157,24 +176,10 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # memory figures are per process), then the sanitizer's step-time ratios alone on the
         # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
         # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
-        "refresh": [
-            *(Step(f"bench-gpu-megatron-{model}-{size}", [
-                *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
-                f"({select}) and {size}", "-p", "no:xdist", "-q",
-                f"--benchmark-json={o(f'bench-gpu-megatron-{model}-{size}.json')}"],
-                330, json=f"bench-gpu-megatron-{model}-{size}.json")
-              for model, select in (("moe", "moe- and not kept and not ep2"),
-                                    ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
-              for size in ("1024x2048", "2048x4096")),
-            # -v and a traceback of every thread of a test still running after 120 s: this
-            # session was cut at its limit twice with nothing to say where it stood
-            Step("bench-gpu-stack", [
-                *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-v",
-                "-o", "faulthandler_timeout=120",
-                "--ignore=benchmarks/test_bench_megatron_scale.py",
-                "--ignore=benchmarks/test_bench_sanitize.py",
-                f"--benchmark-json={o('bench-gpu-stack.json')}"], 330, json="bench-gpu-stack.json"),
-            sanitize],
+        "refresh": [*memory, sanitize],
+        # the refresh less its sanitizer session: after a change to a measured path that no
+        # sanitizer figure measures (benchmarks._freshness.MEASURED_PATHS)
+        "refresh-memory": memory,
         # the figures of the sanitizers alone (the refresh's last session): after a change
         # under fixes/sanitize/, which no other family measures
         "refresh-sanitizers": [sanitize],
