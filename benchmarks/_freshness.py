@@ -2,8 +2,9 @@
 
 Each benchmark family (a scenario's name before ``/``) declares the paths whose code its figures
 measure (``MEASURED_PATHS``): the fix it measures and the benchmark's own scenario code. A run is
-*older than the code* when ``git log <run commit>..HEAD -- <paths>`` names a commit: that code
-changed after the run, so its figures may no longer describe it. The dashboard's sections and
+*older than the code* when ``git diff <run commit> HEAD -- <paths>`` is not empty: that code
+changed after the run, so its figures may no longer describe it (a change undone since is no
+change; the note names the last commit that touched the paths). The dashboard's sections and
 the headline table (and with it the README's) say so, with the paths and the commit of the last
 change (``Freshness.note``).
 
@@ -74,6 +75,12 @@ class History:
         return self._git("cat-file", "-e", f"{commit}^{{commit}}") is not None
 
     @functools.cache  # noqa: B019
+    def differs(self, since: str, paths: tuple[str, ...]) -> bool:
+        """Whether any of ``paths`` differs between ``since`` and HEAD (a change undone since
+        is none)."""
+        return bool(self._git("diff", "--name-only", since, "HEAD", "--", *paths))
+
+    @functools.cache  # noqa: B019
     def last_change(self, since: str, paths: tuple[str, ...]) -> str:
         """The newest commit after ``since`` (up to HEAD) that touched any of ``paths``, or ""."""
         return self._git("log", "-1", "--format=%H", f"{since}..HEAD", "--", *paths) or ""
@@ -130,8 +137,7 @@ def freshness(run_commit: str, family: str, history: History | None = None) -> F
         return Freshness(Age.NO_HISTORY, run_commit)
     if not history.has(run_commit):
         return Freshness(Age.NOT_IN_HISTORY, run_commit, head)
-    last = history.last_change(run_commit, paths)
-    if not last:
+    if not history.differs(run_commit, paths):
         return Freshness(Age.CURRENT, run_commit, head)
-    changed = tuple(p for p in paths if history.last_change(run_commit, (p,)))
-    return Freshness(Age.OLDER, run_commit, head, changed, last)
+    changed = tuple(p for p in paths if history.differs(run_commit, (p,)))
+    return Freshness(Age.OLDER, run_commit, head, changed, history.last_change(run_commit, paths))

@@ -8,17 +8,14 @@ sanitizer (the detect tier; the locator would run in the second only after a det
 first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
 within what two unsanitized steps differ by), then ``steps`` rounds of each mode, interleaved
 (none, all, sampled, metadata-only, and the sanitizer entered with no region watched,
-``_entered_no_region``; ``benchmarks._spread``). A round collects garbage (untimed: a
-collection's pause falls on no mode in particular), enters the mode and runs
-``1 + left_on_steps`` steps (``--left-on-steps``, default 3): the round's time is the mean of
-the last ``left_on_steps`` -- steps
-of a sanitizer left on, as a training run enters it once (``values="sampled"`` / ``"none"``
-keep their walk of the modules from step to step, ``fixes.sanitize._reach.Walks``), averaged
-because the launch-bound steps of the MoE GPT on the H200 jitter by ~10% from one to the next
--- and the first, which pays the entry and the first walk, is recorded beside it
-(``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions, tensors compared,
-detections, the fresh walks of the modules, the gradient distances, per mode the median step
-time and the median of the round-by-round ratios, each with every round (``*_repeats``).
+``_entered_no_region``; ``benchmarks._spread``). A round enters the mode and runs two steps:
+the second is the timed one -- a step of a sanitizer left on, as a training run enters it once
+(``values="sampled"`` / ``"none"`` keep their walk of the modules from step to step,
+``fixes.sanitize._reach.Walks``) -- and the first, which pays the entry and the first walk, is
+recorded beside it (``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions,
+tensors compared, detections, the fresh walks of the modules, the gradient distances, per mode
+the median step time and the median of the round-by-round ratios, each with every round
+(``*_repeats``).
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
@@ -72,7 +69,7 @@ def _mode(name: str):
 
 def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int, *,
             aux_loss: float = 0.0, recompute: str = "full", clock: str = "wall",
-            profile: str | None = None, left_on_steps: int = 3) -> dict:
+            profile: str | None = None) -> dict:
     import torch
 
     from benchmarks.megatron_scale import _build
@@ -116,7 +113,6 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     noise = distance(step(), reference)
     result = {"model": model, "device": device, "hidden": hidden, "seq": seq, "dtype": dtype,
               "aux_loss": aux_loss, "recompute": recompute, "clock": clock,
-              "left_on_steps": left_on_steps,
               "regions": sanitizer.regions, "recomputes": sanitizer.recomputes,
               "ops_compared": sanitizer.ops_compared,  # the locator's (0: nothing detected)
               "detections": sanitizer.detections, "located": sanitizer.located,
@@ -129,18 +125,15 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     first: dict[str, list[float]] = {name: [] for name in MODES}
 
     def timed_step(name: str) -> float:
-        """One round of ``name`` (see the module docstring): the left-on steps' mean time;
-        the first step's kept in ``first``."""
-        gc.collect()
+        """The mode entered for two steps: the second's time; the first's kept in ``first``."""
         with _mode(name):
             t0 = now()
             step()
             t1 = now()
-            for _ in range(left_on_steps):
-                step()
+            step()
             t2 = now()
         first[name].append(t1 - t0)
-        return (t2 - t1) / left_on_steps
+        return t2 - t1
 
     times = interleaved(list(MODES), timed_step, steps)
     for prefix, measured in (("", times), ("first_", first)):
@@ -187,13 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aux-loss", type=float, default=0.0, metavar="COEFF",
                    help="MoE: megatron's aux-loss coefficient (z-loss: a tenth of it); 0: off")
     p.add_argument("--recompute", choices=("full", "moe-layer"), default="full")
-    p.add_argument("--left-on-steps", type=int, default=3, metavar="N",
-                   help="timed steps a round after its first (their mean is the round's time)")
     p.add_argument("--clock", choices=("wall", "thread"), default="wall")
     p.add_argument("--profile", metavar="PATH", help="write per-mode cProfile tables here")
     args = p.parse_args(argv)
-    if args.left_on_steps < 1:
-        p.error("--left-on-steps must be >= 1")
     if args.clock == "thread" and args.device != "cpu":
         p.error("--clock thread measures the host thread: CPU device only")
     if bool(args.cell) == bool(args.model):
@@ -206,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 "recompute": recompute}
         try:
             result = measure(model, args.device, hidden, seq, dtype, args.steps, aux_loss=aux,
-                             recompute=recompute, clock=args.clock, profile=args.profile,
-                             left_on_steps=args.left_on_steps)
+                             recompute=recompute, clock=args.clock, profile=args.profile)
         except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
             result = {**cell, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
         print("SANITIZE-MEGATRON " + json.dumps(result), flush=True)

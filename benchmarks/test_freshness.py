@@ -61,6 +61,19 @@ def test_a_run_older_than_a_change_to_its_measured_paths_is_stale(history):
     assert _freshness.freshness(measured, "sanitizers", hist).changed == ("fixes/sanitize/",)
 
 
+def test_a_change_undone_since_the_run_leaves_it_current(history):
+    """Freshness is the code's content: a measured file changed and changed back (a reverted
+    commit) is the code the run measured."""
+    hist, measured, fix_changed, elsewhere = history
+    repo = hist.repo
+    undone = commit(repo, "fixes/megatron/reclaim.py", "v1\n", "the fix change undone")
+    history2 = _freshness.History(repo)
+    assert _freshness.freshness(measured, "recompute-reclaim", history2).age is (
+        _freshness.Age.CURRENT)
+    older = _freshness.freshness(fix_changed, "recompute-reclaim", history2)
+    assert older.age is _freshness.Age.OLDER and older.last_change == undone
+
+
 def test_a_run_that_names_no_commit_cannot_be_tied_to_the_code(history):
     hist, *_ = history
     assert _freshness.freshness("", "recompute-reclaim", hist).age is _freshness.Age.UNKNOWN_COMMIT
