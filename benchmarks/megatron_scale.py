@@ -282,20 +282,27 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
 
 def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps: int,
                    dispatcher: str = "allgather", trace: bool = False, ep: int = 1) -> list[dict]:
-    """``run_child`` in a fresh interpreter (one verl release per process; ``ep`` > 1: one per
+    """``run_child`` in a process of its own (one verl release per process; ``ep`` > 1: one per
     rank, rank 0's cells): its cells as dicts, or one cell with ``error`` (no ``hidden``) saying
-    why the child produced none."""
+    why the child produced none.
+
+    On CPU the child (each rank) is forked by the fork server (repro.harness.forkserver: torch
+    and megatron-core imported once, not once per child; its figures are MemTracker's bytes of
+    the storages made after the child's build, which no import makes); on CUDA a fresh
+    interpreter, as ever."""
     from repro.harness.isolated import run_isolated, run_loopback_ranks
 
     size_arg = ",".join(f"{h}x{s}" for h, s in sizes)
     args = ["--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
             "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
             "--ep", str(ep), *(["--trace"] if trace else [])]
+    forked = device == "cpu"
     if ep == 1:
-        res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=args)
+        res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=args,
+                           forkserver=forked)
     else:
         ranks = run_loopback_ranks([sys.executable, "-m", "benchmarks.megatron_scale", *args], ep,
-                                   timeout=900, env={"OMP_NUM_THREADS": "1"})
+                                   timeout=900, env={"OMP_NUM_THREADS": "1"}, forkserver=forked)
         # a failed rank's collectives hang or fail the others: report the failed one
         res = next((r for r in ranks if not r.ok), ranks[0])
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("CELLS ")]

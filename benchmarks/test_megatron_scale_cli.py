@@ -40,3 +40,31 @@ def test_table_compares_each_strategy_with_none_of_the_same_expert_parallel_degr
              dict(base, strategy="ours", expert_parallel=2, peak_bytes=60 * ms.MIB)]
     (ours,) = [ln for ln in ms.table(cells).splitlines() if " ours " in ln]
     assert " 2 256x256" in ours and "0.7500" in ours  # 60 / 80, not 60 / 100
+
+
+@pytest.mark.parametrize(("device", "forked"), [("cpu", True), ("cuda", False)])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_cpu_children_are_forked_by_the_fork_server_cuda_ones_spawned(monkeypatch, device,
+                                                                       forked, ep):
+    """A CPU child (each rank of one) is forked from the fork server, torch and megatron-core
+    imported there once; a CUDA child is a fresh interpreter (the server never touches CUDA)."""
+    from repro.harness import isolated
+    from repro.harness.isolated_result import IsolatedResult
+
+    calls = []
+    done = IsolatedResult(returncode=0, stdout='CELLS [{"hidden": 256}]\n', stderr="",
+                          seconds=0.0, timed_out=False)
+
+    def fake_isolated(**kwargs):
+        calls.append(("isolated", kwargs.get("forkserver", False)))
+        return done
+
+    def fake_ranks(argv, world_size, **kwargs):
+        calls.append(("ranks", kwargs.get("forkserver", False)))
+        return [done] * world_size
+
+    monkeypatch.setattr(isolated, "run_isolated", fake_isolated)
+    monkeypatch.setattr(isolated, "run_loopback_ranks", fake_ranks)
+    assert ms.cells_in_child("moe", "ours", device, [(256, 256)], ["fp32"], 5, ep=ep) == [
+        {"hidden": 256}]
+    assert calls == [("isolated" if ep == 1 else "ranks", forked)]
