@@ -151,8 +151,8 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
     age = ""
     if history is not None:
         age = (f' Each run is judged against the code as of {escape(history.head()[:8] or "?")}: '
-               f'a section whose run is older than the last change to the code it measures '
-               f'(<code>git log RUN..HEAD -- PATHS</code>) says so, '
+               f'a section whose run measured code that has changed since '
+               f'(<code>git diff RUN HEAD -- PATHS</code> not empty) says so, '
                f'<span class="stale">in red</span>.')
     head = (f'<h1>{escape(title)}</h1><p class="meta">{len(shown)} committed run(s){dirty_note}; '
             f'generated {generated}. Bytes: MemTracker on CPU, CUDA max_memory_allocated on GPU; '

@@ -56,6 +56,6 @@ def test_the_job_fails_when_the_gate_or_a_benchmark_test_fails(workflow):
 
 def test_the_checkout_has_the_history_runs_are_judged_against(workflow):
     """The dashboard and the README's table say whether each run is older than the code it
-    measures (``git log RUN..HEAD``): a shallow checkout would lack the runs' commits."""
+    measures (``git diff RUN HEAD``): a shallow checkout would lack the runs' commits."""
     checkout = step_running(workflow, "actions/checkout")
     assert checkout.get("with", {}).get("fetch-depth") == 0
