@@ -62,6 +62,8 @@ from repro.harness.mbridge_local_spec import te_twin
 REPO = Path(__file__).parent.parent
 KINDS = ("dense", "moe")
 NEEDS = ("verl", "mbridge", "megatron")  # what the engine imports; ray comes with verl
+# CPU children forked from the fork server's "verl" profile (tests/test_verl_plugin.py says why)
+VERL_SERVER = "verl"
 
 
 def _missing() -> str | None:
@@ -92,7 +94,7 @@ def _plugin_env(on: bool) -> dict[str, str]:
 def _scenario(args: list[str], env: dict[str, str], timeout: float) -> dict:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     done = run_isolated(module="repro.verl_engine", args=args, timeout=timeout, cwd=str(REPO),
-                        env=dict(env, PYTHONPATH=path))
+                        env=dict(env, PYTHONPATH=path), forkserver=VERL_SERVER)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if not (done.ok and len(lines) == 1):
         evidence = os.environ.get("STACKFIX_EVIDENCE")
@@ -298,7 +300,8 @@ def test_the_local_spec_model_mbridge_loads_gives_the_hugging_face_logits(kind, 
         pytest.skip(why)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     done = run_isolated(code=_PARITY_CHILD, args=[kind, str(tmp_path)], timeout=600,
-                        cwd=str(REPO), env={"PYTHONPATH": path, "VERL_USE_EXTERNAL_MODULES": ""})
+                        cwd=str(REPO), env={"PYTHONPATH": path, "VERL_USE_EXTERNAL_MODULES": ""},
+                        forkserver=VERL_SERVER)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.ok and lines, (done.describe(), done.stderr[-4000:])
     got = json.loads(lines[-1][len("RESULT "):])

@@ -273,9 +273,15 @@ def _unfixed_env() -> dict[str, str]:
     return dict(LOADS["plugins off"], **{ENV: ""})
 
 
+# The children below are forked from the "verl" fork server (repro.harness.forkserver: torch,
+# tensordict, transformers, hydra imported once; never verl, megatron-core or torchtitan, whose
+# imports the plugin acts on): test_the_verl_profile_preloads_nothing_the_plugin_acts_on.
+VERL_SERVER = "verl"
+
+
 def _scenario(name: str, env: dict[str, str], timeout: float = 300):
     return run_isolated(module="repro.verl_plugin", args=[name], env=env, timeout=timeout,
-                        cwd=str(REPO))
+                        cwd=str(REPO), forkserver=VERL_SERVER)
 
 
 def _result(done) -> dict:
@@ -296,6 +302,29 @@ def test_the_environment_runs_the_expected_verl():
 
 @pytest.mark.cpu
 @need_verl
+def test_the_verl_profile_preloads_nothing_the_plugin_acts_on():
+    """A child forked from the "verl" server finds torch and verl's heavy dependencies imported,
+    and neither verl, megatron-core, torchtitan nor any of fixes' verl, megatron and torchtitan
+    packages: ``import verl`` in it loads the plugin, and the plugin patches those modules as
+    they are imported, as in a fresh interpreter. Where fork servers are off, spawned (the same)."""
+    from repro.harness import forkserver
+
+    done = run_isolated(code=textwrap.dedent("""
+        import json, sys
+        print("MODULES", json.dumps(sorted(sys.modules)))
+    """), timeout=180, cwd=str(REPO), forkserver=VERL_SERVER)
+    assert done.ok, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("MODULES ")]
+    modules = set(json.loads(line[len("MODULES "):]))
+    acted_on = ("verl", "megatron", "torchtitan", "mbridge", "fixes.verl", "fixes.megatron",
+                "fixes.torchtitan")
+    assert not [m for m in modules if m.startswith(acted_on)]
+    if forkserver.enabled() and "verl" not in forkserver._unavailable:
+        assert {"torch", "tensordict", "transformers"} <= modules  # forked: preloaded
+
+
+@pytest.mark.cpu
+@need_verl
 @pytest.mark.parametrize("load", list(LOADS))
 def test_import_verl_loads_the_plugin_through_verls_hooks(load):
     done = run_isolated(code=textwrap.dedent("""
@@ -306,7 +335,7 @@ def test_import_verl_loads_the_plugin_through_verls_hooks(load):
         print("STATE", None if state is None else (state.version, len(state.armed),
                                                    state.off_because))
     """), env=dict(LOADS[load], **({ENV: ""} if ENV not in LOADS[load] else {})),
-        timeout=180, cwd=str(REPO))
+        timeout=180, cwd=str(REPO), forkserver=VERL_SERVER)
     assert done.ok, done.stderr[-3000:]
     (state,) = [line for line in done.stdout.splitlines() if line.startswith("STATE ")]
     lines = _log_lines(done.stderr)

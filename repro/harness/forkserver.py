@@ -118,6 +118,11 @@ PRELOADS = {
     # Only for children that import torchtitan themselves: fixes.torchtitan's mesh snapshot,
     # the mesh sanitizer and others look torchtitan up in sys.modules.
     "torchtitan": (*_TORCH, "torchtitan.trainer", "fixes.torchtitan.engine"),
+    # The children of the verl envs' tests (tests/test_verl_plugin.py, test_verl_engine.py):
+    # what ``import verl`` spends its ~4.5 s on (tensordict, transformers, omegaconf, hydra).
+    # Never verl, megatron-core or torchtitan: the plugin (fixes.verl) is loaded by ``import
+    # verl`` and patches megatron's and verl's modules as they are imported, in the child.
+    "verl": (*_SPMD, "tensordict", "transformers", "omegaconf", "hydra"),
 }
 # A profile's server is forked from the server of the profile its preloads extend (the longest
 # proper prefix: torch from spmd, torchtitan from torch) and imports only the rest: as soon
