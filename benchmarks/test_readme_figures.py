@@ -78,6 +78,9 @@ class _History:
     def last_change(self, since, paths):
         return self.changed_after
 
+    def differs(self, since, paths):  # the content changed wherever a commit touched it
+        return bool(self.last_change(since, paths))
+
 
 @pytest.mark.parametrize("changed_after", ["", "c" * 40])
 def test_the_compat_line_says_when_the_matrix_is_older_than_the_code(tmp_path, changed_after):
