@@ -15,6 +15,9 @@ import pytest
 from repro.harness import environment
 
 DEVICE_MARKERS = ("cpu", "gpu")
+# What a process group leaves in the process that made it: setup_megatron sets MASTER_ADDR /
+# MASTER_PORT (setdefault, as torchrun's ranks find them) and its TCPStore holds that port.
+WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _cuda_available() -> bool:
@@ -23,6 +26,24 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_left_in_the_worker():
+    """A test must not leave rendezvous variables in the pytest worker: every later child
+    inherits the worker's MASTER_PORT, and its own ``init_process_group`` then fails with
+    EADDRINUSE on the port the worker's TCPStore still holds (five verl tests of one .ci/run
+    failed so, after an in-process ``setup_megatron``). A process group on a store that holds
+    no port (a module's fake or hash store) is no harm. Run what rendezvouses in a child."""
+    before = {k: os.environ.get(k) for k in WORLD_VARIABLES}
+    yield
+    left = [f"{k}={os.environ[k]}" for k in WORLD_VARIABLES
+            if k in os.environ and os.environ.get(k) != before[k]]
+    if left:
+        pytest.fail(f"the test left {', '.join(left)} in the pytest worker's environment: "
+                    "every later child inherits them (run what calls setup_megatron or "
+                    "init_process_group over env:// in a child: repro.run_isolated)",
+                    pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):

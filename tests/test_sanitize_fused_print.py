@@ -10,6 +10,8 @@ synchronisation."""
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,7 +281,13 @@ def test_the_benchmarks_side_of_a_layer_is_printed_on_cpu():
     """``benchmarks.fused_print`` end to end at a toy size on CPU: the H200 bench broke on a
     changed sanitizer signature that no CPU test ran."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from benchmarks import fused_print
+    from repro import run_isolated
 
-    found = fused_print.measure(128, 32, "fp32", "cpu", 1)
+    # In a child: the bench sets megatron's world up (a process group, its port in the
+    # environment), which the pytest worker would hand to every later child.
+    r = run_isolated(code="import json; from benchmarks import fused_print; "
+                          "print(json.dumps(fused_print.measure(128, 32, 'fp32', 'cpu', 1)))",
+                     cwd=str(Path(__file__).parent.parent), timeout=120, forkserver=True)
+    assert r.ok, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
     assert found["printed"] > 0 and found["fused_ms"] > 0 and not found["kernel_failed"]
