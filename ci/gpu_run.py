@@ -36,6 +36,10 @@ RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.
 # Megatron-LM's tests at the installed megatron-core's tag (git archive core_v0.19.0 tests/
 # __init__.py tests/unit_tests tests/test_utils into .megatron-tests/core_v0.19.0; carried)
 MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
+# the benchmark files (benchmarks/test_bench_<name>.py) of the checkpointed stack: with
+# megatron_scale and sanitize, every benchmark file the refresh target runs
+STACK_FAMILIES = ("activation_checkpoint", "backward_threads", "fused_print", "output_discard",
+                  "reclaim")
 
 
 @dataclass
@@ -67,14 +71,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
           for model, select in (("moe", "moe- and not kept and not ep2"),
                                 ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
           for size in ("1024x2048", "2048x4096")),
-        # -v and a traceback of every thread of a test still running after 120 s: this
-        # session was cut at its limit twice with nothing to say where it stood
-        Step("bench-gpu-stack", [
-            *PYTEST, "benchmarks", "-m", "gpu", "-p", "no:xdist", "-v",
+        # the checkpointed stack's families, one session per file: pytest-benchmark writes
+        # its JSON when the session ends, and one session for all five was cut at its limit
+        # three times beside the megatron sessions (a slow child held the others' figures);
+        # -v and a traceback of every thread of a test still running after 120 s
+        *(Step(f"bench-gpu-{name.replace('_', '-')}", [
+            *PYTEST, f"benchmarks/test_bench_{name}.py", "-m", "gpu", "-p", "no:xdist", "-v",
             "-o", "faulthandler_timeout=120",
-            "--ignore=benchmarks/test_bench_megatron_scale.py",
-            "--ignore=benchmarks/test_bench_sanitize.py",
-            f"--benchmark-json={o('bench-gpu-stack.json')}"], 330, json="bench-gpu-stack.json"),
+            f"--benchmark-json={o(f'bench-gpu-{name}.json')}"], 330, json=f"bench-gpu-{name}.json")
+          for name in STACK_FAMILIES),
     ]
     return {
         # the whole gpu suite and the skip audit; the GPU main job

@@ -78,3 +78,15 @@ def test_under_parallel_a_step_that_times_runs_alone_after_the_others(tmp_path, 
     assert order[-2:] == ["timed-start", "timed-end"]  # then the timed one alone
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert [r["name"] for r in record["steps"]] == ["timed", "a", "b"]  # records as given
+
+
+def test_the_refresh_runs_every_benchmark_file():
+    # The refresh remakes every published GPU figure: a benchmark file none of its sessions
+    # names would publish figures no refresh remakes (they would age silently).
+    named = {arg.split("::")[0] for step in gpu_run._steps("OUT")["refresh"]
+             for arg in step.argv if arg.startswith("benchmarks/test_bench_")}
+    files = {f"benchmarks/{p.name}" for p in (gpu_run.REPO / "benchmarks").glob("test_bench_*.py")}
+    assert named == files
+    names = [s.name for s in gpu_run._steps("OUT")["refresh"]]
+    assert len(names) == len(set(names))  # one log and one JSON each
+    assert [s.name for s in gpu_run._steps("OUT")["refresh"] if s.alone] == ["bench-gpu-sanitize"]
