@@ -11,8 +11,10 @@ chunk view still crashed); with ours first, verl's assignment replaced it while
 
 from __future__ import annotations
 
+import os
 import signal
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -21,8 +23,12 @@ import torch
 import torch.utils.checkpoint as tcp
 from verl_megatron import DEVICES, need_verl_on_megatron
 
-from fixes.megatron import apply_recompute_reclaim_patch, remove_recompute_reclaim_patch
-from fixes.megatron.pristine import is_own_backward, own_backward, recover_from_source
+from fixes.megatron import (
+    apply_recompute_reclaim_patch,
+    pristine,
+    remove_recompute_reclaim_patch,
+)
+from fixes.megatron.pristine import is_own_backward, own_backward
 from fixes.megatron.reclaim import PATCH_KIND, installed_reclaim, reset_backward
 from repro import run_isolated
 
@@ -103,12 +109,30 @@ def test_a_backward_of_unknown_shape_is_refused(cls):
     assert cls.__dict__.get("backward") is before
 
 
+_RECOVERED_IS_OWN = """
+import torch.utils.checkpoint as tcp
+from fixes.megatron.pristine import recover_from_source
+recovered = recover_from_source(tcp.CheckpointFunction)
+own = tcp.CheckpointFunction.__dict__["backward"].__func__
+assert recovered.__code__ == own.__code__ and recovered.__globals__ is own.__globals__
+assert recovered.__qualname__ == own.__qualname__
+print("RECOVERED-OWN")
+"""
+
+
 @pytest.mark.cpu
 def test_the_recovered_backward_is_the_modules_own_code():
-    recovered = recover_from_source(TARGET)  # torch's checkpoint.py: older than the process
-    own = TARGET.__dict__["backward"].__func__
-    assert recovered.__code__ == own.__code__ and recovered.__globals__ is own.__globals__
-    assert recovered.__qualname__ == own.__qualname__
+    # recover_from_source refuses a source file written less than _CLOCK_SLACK_S before its
+    # process began (the process may not have imported what is on disk now). In an env made
+    # moments before this worker started (uv writes torch's files as it installs) that is
+    # this process: then a process begun after them, as every later one in that env is.
+    started, written = pristine._process_started_at(), os.stat(tcp.__file__).st_mtime
+    if started is not None and written <= started - pristine._CLOCK_SLACK_S:
+        exec(_RECOVERED_IS_OWN, {})
+        return
+    time.sleep(max(0.0, written + pristine._CLOCK_SLACK_S + 0.5 - time.time()))
+    r = run_isolated(code=_RECOVERED_IS_OWN, cwd=str(REPO), timeout=120)
+    assert r.ok and "RECOVERED-OWN" in r.stdout, r.stderr[-3000:]
 
 
 # --- verl's released patch on megatron-core (CPU; CUDA in the gpu run) -------------------------
