@@ -170,6 +170,31 @@ def test_a_rebound_attribute_whose_old_tensor_died_is_seen_from_the_next_region(
     assert walks.walked == 1 and walks.rescanned == 1  # that module alone, scanned again
 
 
+def test_a_rescan_visits_only_the_attributes_that_held_a_tensor(monkeypatch):
+    """Each region of megatron's MoE layer rescans its token dispatcher (rebound routing
+    state): the rescan must not walk what held no tensor at the walk (megatron's modules hold
+    a config of hundreds of plain fields) again -- the rescans were the largest sanitizer
+    cost of a left-on ``values="none"`` step with MoE-layer recompute on CPU."""
+    model = _model(_Config())
+    model[0].settings = types.SimpleNamespace(**{f"field_{i}": i for i in range(200)})
+    model[0].cache = {"routing": torch.zeros(2)}
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=False)
+        visited = []
+        attribute = _reach._Scan._attribute
+        monkeypatch.setattr(_reach._Scan, "_attribute",
+                            lambda self, value, depth: visited.append(value)
+                            or attribute(self, value, depth))
+        model[0].cache = {"routing": torch.ones(2)}  # rebound: the old tensor is freed
+        got = walks.reached([model], fresh=False)
+    assert walks.rescanned == 1
+    assert id(model[0].cache["routing"]) in {id(t) for t in got}
+    # the dict and its tensor, and the config that held a tensor: not the fields of a plain
+    # object that held none
+    assert model[0].settings not in visited and len(visited) <= 205
+
+
 def test_a_tensor_attached_where_no_hook_sees_it_is_seen_within_rewalk_rounds():
     model = _model(_Config())
     walks = _reach.Walks()

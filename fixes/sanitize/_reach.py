@@ -13,7 +13,9 @@ the detect tier's check of writes outside the region (``_detect``).
   held while the sanitizer is entered: ``watching``), and it is fewer than ``REWALK_ROUNDS``
   rounds old (a tensor attached where no hook sees it -- a new plain attribute -- is seen by
   then). A module holding a tensor the walk found that was freed since (an attribute rebound
-  to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone.
+  to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
+  in the attributes the walk found tensors under (a tensor under another is a new plain
+  attribute: seen by the next fresh walk).
   ``fresh`` asks for a walk done in this round (the sanitizer asks for every region in
   ``values="all"``): at most one a round per set of modules. A fresh walk every round was
   the largest host cost of ``values="none"`` on megatron's MoE
@@ -52,7 +54,7 @@ REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 def reached(roots) -> list[torch.Tensor]:
     """The plain tensors reachable from ``roots`` (see the module docstring)."""
     tensors, modules = _roots(roots)
-    for _, found in _walk(list(modules.values())):
+    for _, found, _ in _walk(list(modules.values())):
         for t in found:
             tensors.setdefault(id(t), t)
     return list(tensors.values())
@@ -65,7 +67,8 @@ class Walks:
 
     def __init__(self):
         # module ids -> (the modules, weakly; per (sub)module walked: [it, the tensors found
-        # in it], weakly; the walk's round; the registrations seen before it)
+        # in it, weakly; the attributes they were found under]; the walk's round; the
+        # registrations seen before it)
         self._kept: dict[tuple[int, ...], tuple[list, list[list], int, int]] = {}
         self._round = 0
         self._registered = 0  # parameters, buffers and modules registered while watching
@@ -119,7 +122,7 @@ class Walks:
             tensors = [r() for r in entry[1]]
             if any(t is None for t in tensors):
                 scan = scan or _Scan()
-                tensors = scan.module(sub)
+                tensors, _ = scan.module(sub, entry[2])  # where the walk found tensors
                 entry[1] = [weakref.ref(t) for t in tensors]
                 self.rescanned += 1
             found += tensors
@@ -133,9 +136,9 @@ class Walks:
             walked = _walk(list(modules.values()))
             self.walked += 1
             self._kept[key] = ([weakref.ref(m) for m in modules.values()],
-                               [[weakref.ref(sub), [weakref.ref(t) for t in ts]]
-                                for sub, ts in walked], self._round, self._registered)
-            found = [t for _, ts in walked for t in ts]
+                               [[weakref.ref(sub), [weakref.ref(t) for t in ts], names]
+                                for sub, ts, names in walked], self._round, self._registered)
+            found = [t for _, ts, _ in walked for t in ts]
         for t in found:
             tensors.setdefault(id(t), t)
         return list(tensors.values())
@@ -233,29 +236,38 @@ class _Scan:
             for x in list(vars(value).values())[:_WIDE]:
                 self._attribute(x, depth + 1)
 
-    def module(self, sub: torch.nn.Module) -> list[torch.Tensor]:
+    def module(self, sub: torch.nn.Module, names: tuple[str, ...] | None = None,
+               ) -> tuple[list[torch.Tensor], tuple[str, ...]]:
         """``sub``'s own parameters, buffers and tensor attributes (not its submodules'), less
-        those this pass found before."""
+        those this pass found before, and the names of the attributes those were found under.
+        ``names``: only these attributes (a rescan: those a walk found tensors under; megatron's
+        modules also hold a config of hundreds of plain fields, walked again for nothing)."""
         self._new = []
-        for name, value in sub.__dict__.items():  # attributes that are no parameter/buffer
-            if not name.startswith("_"):
-                self._attribute(value, 0)
+        held = []
+        attributes = sub.__dict__
+        for name in attributes if names is None else names:  # no parameter / buffer
+            if not name.startswith("_") and name in attributes:
+                before = len(self._new)
+                self._attribute(attributes[name], 0)
+                if len(self._new) > before:
+                    held.append(name)
         for t in (*sub._parameters.values(), *sub._buffers.values()):
             if t is not None:
                 self._add(t)
         new, self._new = self._new, []
-        return new
+        return new, tuple(held)
 
 
-def _walk(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, list[torch.Tensor]]]:
+def _walk(modules: list[torch.nn.Module],
+          ) -> list[tuple[torch.nn.Module, list[torch.Tensor], tuple[str, ...]]]:
     """Every parameter, buffer and tensor attribute of ``modules`` and their submodules, per
-    (sub)module that holds it."""
+    (sub)module that holds it, with the names of the attributes it was found under."""
     scan, walked, out = _Scan(), set(), []
     for module in modules:
         for sub in module.modules():
             if id(sub) not in walked:  # else a submodule of another root module
                 walked.add(id(sub))
-                out.append((sub, scan.module(sub)))
+                out.append((sub, *scan.module(sub)))
     return out
 
 
