@@ -195,6 +195,39 @@ def test_unknown_flavor_lists_the_registered_ones():
 
 
 @pytest.mark.cpu
+def test_the_training_config_names_the_length_as_the_installed_torchtitan_does():
+    # torchtitan main (b5bcd76c) replaced TrainingConfig's seq_len / local_batch_size with
+    # max_context_length / num_tokens_per_microbatch_per_dp_rank: the engine built with
+    # seq_len=... failed there on both paths of mesh-recompute-tp2-silent-grad.
+    import dataclasses
+
+    from torchtitan.config import TrainingConfig
+
+    from fixes.torchtitan.build import training_config
+
+    released = training_config(TrainingConfig, 256, max_norm=0.5)
+    assert (released.seq_len, released.local_batch_size, released.max_norm) == (256, 1, 0.5)
+
+    @dataclasses.dataclass(kw_only=True)
+    class MainTrainingConfig:  # the fields of torchtitan main's that the engine sets
+        num_tokens_per_microbatch_per_dp_rank: int = 16384
+        max_context_length: int = 2048
+        max_norm: float = 1.0
+
+    main = training_config(MainTrainingConfig, 256, max_norm=0.5)
+    assert (main.max_context_length, main.num_tokens_per_microbatch_per_dp_rank,
+            main.max_norm) == (256, 256, 0.5)
+
+    @dataclasses.dataclass
+    class Neither:
+        max_norm: float = 1.0
+
+    with pytest.raises(ValueError, match="neither seq_len / local_batch_size .* nor "
+                                         "max_context_length"):
+        training_config(Neither, 256)
+
+
+@pytest.mark.cpu
 def test_param_groups_reach_the_optimizer_and_the_update(process_group):
     from fixes.torchtitan.config import OptimizerSettings, ParamGroupSettings
 

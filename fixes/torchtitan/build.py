@@ -12,7 +12,7 @@ from importlib import metadata
 from fixes.torchtitan.config import ATTN_TYPES, TorchtitanEngineConfig
 
 __all__ = ["build_model_spec", "mesh_device_type", "parallelize_without_fsdp", "skip_fsdp",
-           "torchtitan_version"]
+           "torchtitan_version", "training_config"]
 
 
 def build_model_spec(name: str, flavor: str, attn_type: str):
@@ -47,6 +47,27 @@ def build_model_spec(name: str, flavor: str, attn_type: str):
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return spec
+
+
+def training_config(training_cls, seq_len: int, **fields):
+    """torchtitan's ``TrainingConfig`` for one sequence of ``seq_len`` tokens a microbatch, in
+    the fields the installed torchtitan names: ``seq_len`` / ``local_batch_size`` (0.3.0), or
+    ``max_context_length`` / ``num_tokens_per_microbatch_per_dp_rank`` (main since those
+    replaced them). ``fields`` (max_norm, mixed precision) are the same in both. A torchtitan
+    with neither pair is refused naming both, never built with a default length."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(training_cls)}
+    if {"seq_len", "local_batch_size"} <= names:
+        return training_cls(seq_len=seq_len, local_batch_size=1, **fields)
+    if {"max_context_length", "num_tokens_per_microbatch_per_dp_rank"} <= names:
+        return training_cls(max_context_length=seq_len,
+                            num_tokens_per_microbatch_per_dp_rank=seq_len, **fields)
+    raise ValueError(
+        f"torchtitan {torchtitan_version()}: its TrainingConfig has neither seq_len / "
+        "local_batch_size (torchtitan 0.3.0) nor max_context_length / "
+        "num_tokens_per_microbatch_per_dp_rank (torchtitan main): the engine cannot size a "
+        f"microbatch of {seq_len} tokens")
 
 
 @contextlib.contextmanager
@@ -87,7 +108,8 @@ def skip_fsdp(cfg: TorchtitanEngineConfig, parallel_dims) -> bool:
 def parallelize_without_fsdp(spec, model, parallel_dims, tc):
     """The model's ``parallelize_fn`` minus its FSDP step (see ``skip_fsdp``). qwen3's takes
     ``skip_dp=True`` for exactly this; llama3's has no such switch, so its steps before FSDP are
-    called one by one, in its order: validate + TP (``model.parallelize``), AC, compile."""
+    called one by one, in its order: validate (0.3.0) + TP (``model.parallelize``), AC,
+    compile."""
     import inspect
 
     if "skip_dp" in inspect.signature(spec.parallelize_fn).parameters:
@@ -102,9 +124,14 @@ def parallelize_without_fsdp(spec, model, parallel_dims, tc):
             skip_dp=True,
         )
     from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.full_dtensor import validate_config
 
-    validate_config(parallel_dims, model)
+    try:  # 0.3.0's parallelize_llama validates first; main's has no such step: the module
+        # went with the full_dtensor backend (torchtitan #4217)
+        from torchtitan.distributed.full_dtensor import validate_config
+    except ModuleNotFoundError:
+        validate_config = None
+    if validate_config is not None:
+        validate_config(parallel_dims, model)
     model.parallelize(parallel_dims)
     if tc.activation_checkpoint is not None:
         tc.activation_checkpoint.build(dump_folder=tc.dump_folder).apply(model)

@@ -41,6 +41,7 @@ from fixes.torchtitan.build import (
     parallelize_without_fsdp,
     skip_fsdp,
     torchtitan_version,
+    training_config,
 )
 from fixes.torchtitan.config import TorchtitanEngineConfig, check_fsdp_supported
 from fixes.torchtitan.mesh_checkpoint import make_checkpoint_wrappers_mesh_preserving
@@ -142,15 +143,13 @@ class TorchtitanEngine:
         self.model_spec = spec
         parallelism = cfg.parallelism_config()
         # Trainer.Config is built for its validation and because update_from_config reads
-        # it (RoPE cache sized to seq_len); the Trainer object itself is never constructed.
+        # it (RoPE cache sized to seq_len: training_config names it as the installed
+        # torchtitan does); the Trainer object itself is never constructed.
         self.trainer_config = Trainer.Config(
             model_spec=spec,
-            training=TrainingConfig(
-                seq_len=seq_len,
-                local_batch_size=1,
-                max_norm=cfg.max_norm,
-                mixed_precision_param=cfg.mixed_precision_param,
-            ),
+            training=training_config(
+                TrainingConfig, seq_len, max_norm=cfg.max_norm,
+                mixed_precision_param=cfg.mixed_precision_param),
             parallelism=parallelism,
             activation_checkpoint=cfg.ac_config(),
             compile=CompileConfig(enable=cfg.use_torch_compile, components=["model", "loss"]),
