@@ -5,6 +5,8 @@ installed megatron-core is not affected; the compat matrix runs it on 0.18.2).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,13 +75,20 @@ def test_a_padding_mask_tensor_is_refused_on_the_affected_release():
     core = pytest.importorskip("megatron.core", reason="megatron-core not installed")
     if not mtp_recompute_needs_patch():
         pytest.skip(f"n/a on megatron-core {core.__version__}: not 0.18.x, nothing to refuse")
-    from repro.mtp_full_recompute import build_gpt_mtp, gpt_mtp_grads, setup
+    from repro import run_isolated
 
-    setup("cpu")
-    apply_mtp_recompute_patch()
-    try:
-        with pytest.raises(MTPRecomputeRefused, match="padding_mask"):
-            gpt_mtp_grads(build_gpt_mtp("cpu", recompute=True), "cpu",
-                          padding_mask=torch.zeros(2, 16, dtype=torch.bool))
-    finally:
-        remove_mtp_recompute_patch()
+    # In a child: setup() sets megatron's world up (a process group, its port in the
+    # environment), which the pytest worker would hand to every later child.
+    r = run_isolated(code="""
+import torch
+from fixes.megatron import MTPRecomputeRefused, apply_mtp_recompute_patch
+from repro.mtp_full_recompute import build_gpt_mtp, gpt_mtp_grads, setup
+setup("cpu")
+apply_mtp_recompute_patch()
+try:
+    gpt_mtp_grads(build_gpt_mtp("cpu", recompute=True), "cpu",
+                  padding_mask=torch.zeros(2, 16, dtype=torch.bool))
+except MTPRecomputeRefused as e:
+    print("REFUSED", "padding_mask" in str(e))
+""", cwd=str(Path(__file__).parent.parent), timeout=300, forkserver=True)
+    assert r.ok and "REFUSED True" in r.stdout, r.stderr[-3000:]
