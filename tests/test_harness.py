@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,37 @@ def test_the_suite_stops_at_once_on_a_bad_harness_variable():
                      env={"STACKFIX_SANITIZE": "bogus"}, cwd=str(ROOT), timeout=120)
     assert r.returncode == 4, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "ERROR: STACKFIX_SANITIZE='bogus': unknown sanitizer(s) ['bogus']" in r.stderr
+
+
+@pytest.mark.cpu
+def test_setup_megatron_leaves_the_environment_as_it_found_it():
+    # Its world-size-1 rendezvous once went through os.environ (MASTER_ADDR / MASTER_PORT): a
+    # process that set megatron up in-process (a pytest worker) handed its store's port to
+    # every child it started after, whose own init_process_group then failed with EADDRINUSE.
+    # A MASTER_PORT the caller set is still the one used.
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    code = textwrap.dedent("""
+        import json, os, sys
+        import torch.distributed as dist
+        from repro.harness.isolated import free_loopback_port
+        from repro.harness.megatron_world import setup_megatron
+        given = sys.argv[1] == "given"
+        if given:
+            os.environ["MASTER_PORT"] = str(free_loopback_port())
+        before = dict(os.environ)
+        setup_megatron("cpu")
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # the PrefixStore over the TCPStore
+            store = store.underlying_store
+        print("RESULT", json.dumps({"same_env": dict(os.environ) == before,
+                                    "port": getattr(store, "port", None),
+                                    "given": os.environ.get("MASTER_PORT")}))
+    """)
+    for case in ("free", "given"):
+        r = run_isolated(code=code, args=[case], timeout=120, cwd=str(ROOT), forkserver=True)
+        assert r.ok, r.stderr[-3000:]
+        (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+        got = json.loads(line[len("RESULT "):])
+        assert got["same_env"], got
+        if case == "given":
+            assert str(got["port"]) == got["given"], got

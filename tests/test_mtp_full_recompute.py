@@ -77,8 +77,8 @@ def test_a_padding_mask_tensor_is_refused_on_the_affected_release():
         pytest.skip(f"n/a on megatron-core {core.__version__}: not 0.18.x, nothing to refuse")
     from repro import run_isolated
 
-    # In a child: setup() sets megatron's world up (a process group, its port in the
-    # environment), which the pytest worker would hand to every later child.
+    # In a child: megatron's world set up (a process group, model-parallel state, the CPU
+    # shims forced onto megatron's classes) would stay in the pytest worker for later tests.
     r = run_isolated(code="""
 import torch
 from fixes.megatron import MTPRecomputeRefused, apply_mtp_recompute_patch

@@ -283,8 +283,8 @@ def test_the_benchmarks_side_of_a_layer_is_printed_on_cpu():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from repro import run_isolated
 
-    # In a child: the bench sets megatron's world up (a process group, its port in the
-    # environment), which the pytest worker would hand to every later child.
+    # In a child: megatron's world set up (a process group, model-parallel state, the CPU
+    # shims forced onto megatron's classes) would stay in the pytest worker for later tests.
     r = run_isolated(code="import json; from benchmarks import fused_print; "
                           "print(json.dumps(fused_print.measure(128, 32, 'fp32', 'cpu', 1)))",
                      cwd=str(Path(__file__).parent.parent), timeout=120, forkserver=True)

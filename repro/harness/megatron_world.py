@@ -41,9 +41,13 @@ def setup_megatron(device: str, seed: int = 1234, expert_parallel: int = 1) -> N
         if expert_parallel > 1:
             dist.init_process_group(backend)  # the rank's environment (env://)
         else:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
-            dist.init_process_group(backend, rank=0, world_size=1)
+            # tcp://, not env:// through os.environ: a port written there would be inherited
+            # by every process this one starts, while this one's store holds it (their own
+            # init_process_group: EADDRINUSE). A MASTER_ADDR / MASTER_PORT given is used.
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = os.environ.get("MASTER_PORT") or free_loopback_port()
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0,
+                                    world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
     if device == "cuda":
