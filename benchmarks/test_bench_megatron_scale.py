@@ -13,6 +13,8 @@ two GPUs; rank 0's figures).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks import megatron_scale as ms
@@ -62,6 +64,11 @@ def _model_and_ep(model: str) -> tuple[str, int]:
 # noisier still.
 STEP_TIME_LIMIT = 1.01
 STEP_TIME_SIZES = ((2048, 4096),)
+# Set by ci/gpu_run.py (its SHARED_GPU) in a session started beside others on one GPU: a step time
+# there measures their work too (two such gates failed at 1.016 and 1.038 beside five megatron
+# sessions, benchmarks/results/evidence/2026-12-03-h200-left-on/), so the gate skips and the refresh
+# runs it alone after them.
+SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
 # The CUDA caching allocator counts blocks, not tensor bytes: it serves a request from a cached
 # block up to 1 MiB larger without splitting it, and which block a request meets depends on the
 # allocation history. So two strategies freeing the same tensors differ by a few blocks either way
@@ -213,6 +220,10 @@ def test_ours_costs_no_memory_without_a_leak(figure_book, device, model, hidden,
                           if p.values[0] == "cuda" and p.values[2:4] in STEP_TIME_SIZES])
 def test_ours_step_time_within_one_percent(figure_book, device, model, hidden, seq, dtype,
                                            strategy):
+    if os.environ.get(SHARED_GPU):
+        pytest.skip(f"{SHARED_GPU}={os.environ[SHARED_GPU]}: this session shares the GPU with "
+                    "others, whose work its step times would measure; the refresh's "
+                    "bench-gpu-megatron-steptime-gate session runs this gate alone")
     ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
     assert ours["step_time_ratio"] <= STEP_TIME_LIMIT, (
         f"{ours['step_ms']:.2f} ms vs {ours['none_step_ms']:.2f} ms without a reclaim")

@@ -29,6 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PY = "python3"
 MAX_FILES = 8  # what one device call brings back
+# Set in the environment of a step started beside others under --parallel (the number of steps
+# started together): its step times measure the other sessions' work too, so a time gate skips
+# there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone after them.
+SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
 PYTEST = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
 RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.py",
                  "tests/test_reclaim_install_order.py", "tests/test_verl_reclaim.py",
@@ -61,6 +65,11 @@ def _steps(out: str) -> dict[str, list[Step]]:
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
         f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 330, json="bench-gpu-sanitize.json",
         alone=True)
+    # the megatron reclaim's 1% step-time gate, alone on the GPU: beside the memory sessions it
+    # skips (SHARED_GPU), as a step time there measures the other sessions too
+    steptime_gate = Step("bench-gpu-megatron-steptime-gate", [
+        *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
+        "step_time_within_one_percent", "-p", "no:xdist", "-q"], 300, alone=True)
     # the benchmarks' memory sessions, side by side (their figures are per process)
     memory = [
         *(Step(f"bench-gpu-megatron-{model}-{size}", [
@@ -181,10 +190,10 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # memory figures are per process), then the sanitizer's step-time ratios alone on the
         # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
         # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
-        "refresh": [*memory, sanitize],
+        "refresh": [*memory, sanitize, steptime_gate],
         # the refresh less its sanitizer session: after a change to a measured path that no
         # sanitizer figure measures (benchmarks._freshness.MEASURED_PATHS)
-        "refresh-memory": memory,
+        "refresh-memory": [*memory, steptime_gate],
         # the figures of the sanitizers alone (the refresh's last session): after a change
         # under fixes/sanitize/, which no other family measures
         "refresh-sanitizers": [sanitize],
@@ -229,9 +238,11 @@ def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
     for n, i in enumerate(order + alone):
         step = steps[i]
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
+        env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
+        if parallel and len(order) > 1 and n < len(order):
+            env[SHARED_GPU] = str(len(order))
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **step.env})
+                                stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
         running[i] = (step, proc, log, time.monotonic())
         last_together = n >= len(order) - 1
         while running and (not parallel or last_together):

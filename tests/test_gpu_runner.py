@@ -64,18 +64,22 @@ def test_under_parallel_a_step_that_times_runs_alone_after_the_others(tmp_path, 
     marks = tmp_path / "marks"
 
     def step(name, seconds, **kw):
-        script = f"echo {name}-start >> {marks}; sleep {seconds}; echo {name}-end >> {marks}"
+        script = (f"echo {name}-start >> {marks}; sleep {seconds}; "
+                  f"echo {name}-end-shared-${{{gpu_run.SHARED_GPU}:-no}} >> {marks}")
         return gpu_run.Step(name, ["sh", "-c", script], 30, **kw)
 
     steps = [step("timed", 0.1, alone=True), step("a", 1), step("b", 1)]
     monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
     monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
     monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setenv(gpu_run.SHARED_GPU, "7")  # a caller's own value reaches no step
     monkeypatch.setattr(gpu_run, "REPO", tmp_path)
     assert gpu_run.main(["--out", str(tmp_path / "out"), "--parallel", "t"]) == 0
     order = marks.read_text().split()
     assert sorted(order[:2]) == ["a-start", "b-start"]  # a and b together
-    assert order[-2:] == ["timed-start", "timed-end"]  # then the timed one alone
+    # each told how many shared the GPU (a time gate skips there); then the timed one alone
+    assert sorted(order[2:4]) == ["a-end-shared-2", "b-end-shared-2"]
+    assert order[-2:] == ["timed-start", "timed-end-shared-no"]
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert [r["name"] for r in record["steps"]] == ["timed", "a", "b"]  # records as given
 
@@ -89,4 +93,11 @@ def test_the_refresh_runs_every_benchmark_file():
     assert named == files
     names = [s.name for s in gpu_run._steps("OUT")["refresh"]]
     assert len(names) == len(set(names))  # one log and one JSON each
-    assert [s.name for s in gpu_run._steps("OUT")["refresh"] if s.alone] == ["bench-gpu-sanitize"]
+    # the step-time figures and gates alone on the GPU, after the memory sessions
+    assert [s.name for s in gpu_run._steps("OUT")["refresh"] if s.alone] == [
+        "bench-gpu-sanitize", "bench-gpu-megatron-steptime-gate"]
+
+
+def test_the_time_gate_reads_the_variable_the_runner_sets():
+    bench = pytest.importorskip("benchmarks.test_bench_megatron_scale")
+    assert bench.SHARED_GPU == gpu_run.SHARED_GPU
