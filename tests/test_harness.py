@@ -292,7 +292,9 @@ def test_setup_megatron_leaves_the_environment_as_it_found_it():
     # Its world-size-1 rendezvous once went through os.environ (MASTER_ADDR / MASTER_PORT): a
     # process that set megatron up in-process (a pytest worker) handed its store's port to
     # every child it started after, whose own init_process_group then failed with EADDRINUSE.
-    # A MASTER_PORT the caller set is still the one used.
+    # A MASTER_PORT the caller set is still the one used; with none, no port at all: a port
+    # probed free and then listened on is a race with every other process on the host (one
+    # H200 refresh lost a session's cells to EADDRINUSE from eleven sessions side by side).
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     code = textwrap.dedent("""
         import json, os, sys
@@ -308,6 +310,7 @@ def test_setup_megatron_leaves_the_environment_as_it_found_it():
         while hasattr(store, "underlying_store"):  # the PrefixStore over the TCPStore
             store = store.underlying_store
         print("RESULT", json.dumps({"same_env": dict(os.environ) == before,
+                                    "store": type(store).__name__,
                                     "port": getattr(store, "port", None),
                                     "given": os.environ.get("MASTER_PORT")}))
     """)
@@ -319,3 +322,5 @@ def test_setup_megatron_leaves_the_environment_as_it_found_it():
         assert got["same_env"], got
         if case == "given":
             assert str(got["port"]) == got["given"], got
+        else:
+            assert (got["store"], got["port"]) == ("HashStore", None), got

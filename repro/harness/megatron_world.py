@@ -8,8 +8,6 @@ import os
 
 import torch
 
-from repro.harness.isolated import free_loopback_port
-
 __all__ = ["setup_megatron"]
 
 
@@ -41,13 +39,16 @@ def setup_megatron(device: str, seed: int = 1234, expert_parallel: int = 1) -> N
         if expert_parallel > 1:
             dist.init_process_group(backend)  # the rank's environment (env://)
         else:
-            # tcp://, not env:// through os.environ: a port written there would be inherited
-            # by every process this one starts, while this one's store holds it (their own
-            # init_process_group: EADDRINUSE). A MASTER_ADDR / MASTER_PORT given is used.
-            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            port = os.environ.get("MASTER_PORT") or free_loopback_port()
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=0,
-                                    world_size=1)
+            # One rank needs no rendezvous: an in-process store, no port. A port probed free
+            # and listened on later races every other process on the host (eleven H200
+            # sessions side by side lost one to EADDRINUSE), and env:// through os.environ
+            # handed the port to every child this process started. A MASTER_PORT given is used.
+            if os.environ.get("MASTER_PORT"):
+                addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                dist.init_process_group(backend, rank=0, world_size=1,
+                                        init_method=f"tcp://{addr}:{os.environ['MASTER_PORT']}")
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
     if device == "cuda":
