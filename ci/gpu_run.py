@@ -4,6 +4,7 @@ Run on the GPU machine from the repository root, after ``. ci/gpu_env.sh`` (``ba
 ci/gpu_offline.sh TARGET ...`` does both)::
 
     python3 ci/gpu_run.py --out DIR [--parallel] TARGET [TARGET ...]
+    python3 ci/gpu_run.py --out DIR STEP ...     # steps by name (a session to remake)
     python3 ci/gpu_run.py --list                 # the targets and their commands
     python3 ci/gpu_run.py --dry-run TARGET ...   # print the commands, run nothing
 
@@ -41,9 +42,9 @@ RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.
 # __init__.py tests/unit_tests tests/test_utils into .megatron-tests/core_v0.19.0; carried)
 MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
 # the benchmark files (benchmarks/test_bench_<name>.py) of the checkpointed stack: with
-# megatron_scale and sanitize, every benchmark file the refresh target runs
-STACK_FAMILIES = ("activation_checkpoint", "backward_threads", "fused_print", "output_discard",
-                  "reclaim")
+# megatron_scale, sanitize and fused_print (kernel times: alone), every benchmark file the
+# refresh target runs
+STACK_FAMILIES = ("activation_checkpoint", "backward_threads", "output_discard", "reclaim")
 
 
 @dataclass
@@ -70,6 +71,12 @@ def _steps(out: str) -> dict[str, list[Step]]:
     steptime_gate = Step("bench-gpu-megatron-steptime-gate", [
         *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
         "step_time_within_one_percent", "-p", "no:xdist", "-q"], 300, alone=True)
+    # the fused print's kernel times, alone: beside ten sessions its child's CPU reference print
+    # did not end in 330 s (an H200 refresh at b6f7d12)
+    fused = Step("bench-gpu-fused-print", [
+        *PYTEST, "benchmarks/test_bench_fused_print.py", "-m", "gpu", "-p", "no:xdist", "-v",
+        f"--benchmark-json={o('bench-gpu-fused_print.json')}"], 240,
+        json="bench-gpu-fused_print.json", alone=True)
     # the benchmarks' memory sessions, side by side (their figures are per process)
     memory = [
         *(Step(f"bench-gpu-megatron-{model}-{size}", [
@@ -190,13 +197,17 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # memory figures are per process), then the sanitizer's step-time ratios alone on the
         # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
         # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
-        "refresh": [*memory, sanitize, steptime_gate],
-        # the refresh less its sanitizer session: after a change to a measured path that no
-        # sanitizer figure measures (benchmarks._freshness.MEASURED_PATHS)
-        "refresh-memory": [*memory, steptime_gate],
-        # the figures of the sanitizers alone (the refresh's last session): after a change
-        # under fixes/sanitize/, which no other family measures
-        "refresh-sanitizers": [sanitize],
+        # On the H200 its sessions take ~12 min (memory ~310 s side by side, then sanitizer
+        # ~180 s, step-time gate ~175 s and fused print alone): more than one device call
+        # (10 min), so there it runs as refresh-memory, then refresh-times.
+        "refresh": [*memory, sanitize, steptime_gate, fused],
+        # the memory sessions alone (after a change to a measured path whose figures are bytes,
+        # benchmarks._freshness.MEASURED_PATHS), and the sessions whose figures are times
+        "refresh-memory": memory,
+        "refresh-times": [sanitize, steptime_gate, fused],
+        # the sanitizers' figures alone: after a change under fixes/sanitize/, which no other
+        # family measures
+        "refresh-sanitizers": [sanitize, fused],
         # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
         "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
                              env={"EVIDENCE": out})],
@@ -287,13 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for name, target in steps.items():
             for step in target:
-                print(f"{name}: {' '.join(step.argv)}")
+                print(f"{name}: {step.name}: {' '.join(step.argv)}")
         return 0
-    unknown = [t for t in args.targets if t not in steps]
+    # a step's own name selects that step alone (a session to remake, as a failed one)
+    by_name = {s.name: [s] for target in steps.values() for s in target}
+    unknown = [t for t in args.targets if t not in steps and t not in by_name]
     if unknown or not args.targets:
         p.error(f"{'unknown target(s) ' + ', '.join(unknown) if unknown else 'no target'}; "
-                f"allowed: {', '.join(TARGETS)}")
-    chosen = [s for t in dict.fromkeys(args.targets) for s in steps[t]]
+                f"allowed: {', '.join(TARGETS)}, or a step's name (--list)")
+    chosen = list({id(s): s for t in dict.fromkeys(args.targets)
+                   for s in steps.get(t) or by_name[t]}.values())
     files = 3 + sum(s.json is not None for s in chosen)  # steps.log, run.json, environment.txt
     if files > MAX_FILES:
         print(f"note: {files} files under {args.out}; one device call brings back "

@@ -25,6 +25,11 @@ def test_every_target_lists_its_commands(capsys):
         assert f"\n{target}: " in "\n" + listed
     assert gpu_run.main(["--dry-run", "--out", "X", "repro"]) == 0
     assert capsys.readouterr().out.strip() == "python3 -m repro --device cuda --json X/repro-cuda.json"
+    # a step by its name, once however often named (a failed session remade alone)
+    assert gpu_run.main(["--dry-run", "--out", "X", "repro-cuda", "repro", "pytest-gpu"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "python3 -m repro --device cuda --json X/repro-cuda.json",
+        " ".join(gpu_run._steps("X")["suite"][0].argv)]
 
 
 def test_an_unknown_target_is_refused_naming_the_allowed(capsys):
@@ -95,7 +100,10 @@ def test_the_refresh_runs_every_benchmark_file():
     assert len(names) == len(set(names))  # one log and one JSON each
     # the step-time figures and gates alone on the GPU, after the memory sessions
     assert [s.name for s in gpu_run._steps("OUT")["refresh"] if s.alone] == [
-        "bench-gpu-sanitize", "bench-gpu-megatron-steptime-gate"]
+        "bench-gpu-sanitize", "bench-gpu-megatron-steptime-gate", "bench-gpu-fused-print"]
+    # refresh-memory and refresh-times split it for a device call's limit, and lose nothing
+    split = [s.name for t in ("refresh-memory", "refresh-times") for s in gpu_run._steps("OUT")[t]]
+    assert sorted(split) == sorted(names)
 
 
 def test_the_time_gate_reads_the_variable_the_runner_sets():
