@@ -122,6 +122,14 @@ def worker(fixed: bool, out: str) -> None:
 def run(fixed: bool, device: str) -> None:
     if device != "cpu":
         raise ValueError(f"mesh-recompute-tp2-silent-grad runs on CPU (gloo); got device={device!r}")
+    from fixes.torchtitan.build import lm_attn_types, torchtitan_version
+    from repro.registry import Skipped
+
+    if "sdpa" not in lm_attn_types():  # the one attention with a CPU backward (config.ATTN_TYPES)
+        raise Skipped(
+            f"torchtitan {torchtitan_version()} builds no language-model attention with a CPU "
+            f"backward: sdpa is not among {lm_attn_types()} (flat (T, N, H) attention), "
+            "FlexAttention has no CPU backward, varlen no CPU kernel")
     result = run_rank_workers("repro.mesh_recompute_tp2", fixed, WORLD, timeout=_TIMEOUT - 20)
     print("TP2-GRADS " + json.dumps(result), flush=True)
     if result["max_abs_diff"] != 0.0:

@@ -187,6 +187,32 @@ def test_flex_flash_without_hopper_is_an_error_not_a_fallback():
 
 
 @pytest.mark.cpu
+def test_sdpa_where_torchtitan_attends_on_flat_tokens_is_refused_naming_what_is_allowed(
+        monkeypatch):
+    # torchtitan main's language-model attention takes flat (T, N, H) tokens (q_TNH); the
+    # engine's sdpa swaps in ScaledDotProductAttention, which takes (B, L, N, H), and failed
+    # deep in torchtitan's sharding (local_map ... in_dst_shardings is missing entries for
+    # ['q_BLNH', ...]) in the compatibility matrix's torchtitan-main cell. The layout is read
+    # from FlexAttention.forward's parameter names: here one with main's names.
+    from torchtitan.models.common import attention
+
+    from fixes.torchtitan.build import lm_attn_types
+    from fixes.torchtitan.engine import build_model_spec
+
+    assert "sdpa" in lm_attn_types()  # the installed release's (B, L, N, H) attention
+
+    class FlatFlex(attention.FlexAttention):
+        def forward(self, q_TNH, k_TNH, v_TNH, **kwargs):
+            raise AssertionError("not called")
+
+    monkeypatch.setattr(attention, "FlexAttention", FlatFlex)
+    assert lm_attn_types() == ("flex", "flex_flash", "varlen")
+    with pytest.raises(ValueError, match=r"cannot build attn_type='sdpa'.*flat \(T, N, H\).*"
+                                         r"allowed there: \('flex', 'flex_flash', 'varlen'\)"):
+        build_model_spec("llama3", "debugmodel", "sdpa")
+
+
+@pytest.mark.cpu
 def test_unknown_flavor_lists_the_registered_ones():
     from fixes.torchtitan.engine import build_model_spec
 

@@ -11,7 +11,8 @@ from importlib import metadata
 
 from fixes.torchtitan.config import ATTN_TYPES, TorchtitanEngineConfig
 
-__all__ = ["build_model_spec", "mesh_device_type", "parallelize_without_fsdp", "skip_fsdp",
+__all__ = ["build_model_spec", "lm_attn_types", "mesh_device_type", "parallelize_without_fsdp",
+           "skip_fsdp",
            "torchtitan_version", "training_config"]
 
 
@@ -28,6 +29,11 @@ def build_model_spec(name: str, flavor: str, attn_type: str):
 
     if attn_type not in ATTN_TYPES:
         raise ValueError(f"attn_type={attn_type!r} is not supported; allowed: {ATTN_TYPES}")
+    if attn_type not in lm_attn_types():
+        raise ValueError(
+            f"torchtitan {torchtitan_version()} cannot build attn_type='sdpa' for its language "
+            "models: their attention runs on flat (T, N, H) tokens and ScaledDotProductAttention "
+            f"takes (B, L, N, H); allowed there: {lm_attn_types()}")
     module = importlib.import_module(f"torchtitan.models.{name}")
     backend = "flex" if attn_type == "sdpa" else attn_type
     try:
@@ -47,6 +53,22 @@ def build_model_spec(name: str, flavor: str, attn_type: str):
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return spec
+
+
+def lm_attn_types() -> tuple[str, ...]:
+    """The ``ATTN_TYPES`` the installed torchtitan builds for language models: all of them on
+    0.3.0, whose inner attentions take (B, L, N, H) (``q_BLNH``); no "sdpa" where they take flat
+    (T, N, H) tokens (``q_TNH``: torchtitan main), as ScaledDotProductAttention still takes
+    (B, L, N, H) and, swapped in, fails in torchtitan's sharding (``local_map ...
+    in_dst_shardings is missing entries for: ['q_BLNH', ...]``). torchtitan names each
+    tensor's layout in its suffix; that name is what is read."""
+    import inspect
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    if "q_TNH" in inspect.signature(FlexAttention.forward).parameters:
+        return tuple(a for a in ATTN_TYPES if a != "sdpa")
+    return ATTN_TYPES
 
 
 def training_config(training_cls, seq_len: int, **fields):
