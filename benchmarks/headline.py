@@ -33,7 +33,8 @@ from benchmarks._published import RESULTS_DIR, published_runs
 from benchmarks._results import ResultsError, Row, Run
 from benchmarks._views import ScenarioView, committed_runs, scenario_views
 
-README_BEGIN = "<!-- headline:begin (generated: python -m benchmarks.dashboard --readme README.md) -->"
+README_BEGIN = ("<!-- headline:begin (generated: python -m benchmarks.dashboard "
+                "-o benchmarks/results/dashboard.html --readme README.md) -->")
 README_END = "<!-- headline:end -->"
 README = Path(__file__).resolve().parent.parent / "README.md"
 MiB = 2**20

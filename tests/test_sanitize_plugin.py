@@ -233,7 +233,7 @@ def _style_params():
             yield pytest.param(flag, style, marks=marks, id=f"{style_id}-{flag_id}")
 
 
-@pytest.mark.parametrize(("flag", "style"), _style_params())
+@pytest.mark.parametrize(("flag", "style"), list(_style_params()))
 def test_a_released_storage_error_is_a_failure_under_every_traceback_style(pytester, monkeypatch,
                                                                            flag, style):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
