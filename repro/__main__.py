@@ -16,6 +16,7 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -148,6 +149,24 @@ def _positive(text: str) -> int:
     return value
 
 
+# The project's own dependencies (pyproject.toml's [project] dependencies): every repro module
+# imports them, so a Python without them (not the tox env, not an install of the project) is
+# told how to get them instead of a ModuleNotFoundError from the first repro module.
+BASE_MODULES = ("torch", "spmd_types")
+
+
+def _missing_base_modules() -> list[str]:
+    missing = []
+    for name in BASE_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m repro", description=__doc__.split("\n\n")[0].split(": ", 1)[1].capitalize(),
@@ -189,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json is not None and (why := _writable(args.json)):
         print(f"error: --json {args.json!r}: {why}", file=sys.stderr)
+        return 2
+    if missing := _missing_base_modules():
+        print(f"error: {', '.join(missing)} cannot be imported by this Python ({sys.executable}): "
+              "run the repros with `tox -e repro` (README), or install the project here: "
+              "pip install -e '.[torchtitan,remat,megatron]'", file=sys.stderr)
         return 2
     if problems := environment.problems():
         print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)

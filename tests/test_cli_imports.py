@@ -115,3 +115,22 @@ def test_catalog_entry_judges_like_its_repro():
     for name, e in catalog.load().items():
         for device in ("cpu", "cuda"):
             assert skip_reason(e, device) == skip_reason(repros[name], device), (name, device)
+
+
+def test_a_python_without_the_projects_dependencies_is_told_how_to_get_them():
+    # Run from a Python without them (a newcomer's `python3 -m repro` outside tox), it raised
+    # ModuleNotFoundError: spmd_types from the first repro module it imported. Here spmd_types
+    # is hidden from the child by a finder that refuses it.
+    hide = ("import sys, importlib.abc\n"
+            "class _Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'spmd_types':\n"
+            "            raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, _Hide())\n")
+    proc = subprocess.run([sys.executable, "-c", hide + _PROBE,
+                           json.dumps(["--only", "mesh-recompute"])],
+                          capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["rc"] == 2, r
+    assert "spmd_types" in r["err"] and "tox -e repro" in r["err"], r["err"]
+    assert "torch" not in r["heavy"] and "spmd_types" not in r["heavy"]
