@@ -133,7 +133,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # the recompute sanitizer on the real models: no false alarm, its cost per mode; its
         # host time per op next to a pass-through dispatch mode's
         "sanitizer": [
-            Step("bench-gpu-sanitize", [
+            Step("bench-gpu-sanitize-and-gpu-tests", [
                 *PYTEST, "benchmarks/test_bench_sanitize.py",
                 "tests/test_sanitize_recompute_gpu.py", "-m", "gpu", "-p", "no:xdist", "-s",
                 f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 420,
@@ -194,12 +194,12 @@ def _steps(out: str) -> dict[str, list[Step]]:
                        json="bench-gpu.json")],
         # every one-GPU figure the README and the dashboard publish, in one call (run it with
         # --parallel): the benchmarks' gpu cases split into sessions started side by side (their
-        # memory figures are per process), then the sanitizer's step-time ratios alone on the
-        # GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
+        # memory figures are per process), then each session whose figures are times alone on
+        # the GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
         # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
-        # On the H200 its sessions take ~12 min (memory ~310 s side by side, then sanitizer
-        # ~180 s, step-time gate ~175 s and fused print alone): more than one device call
-        # (10 min), so there it runs as refresh-memory, then refresh-times.
+        # On the H200 its sessions take ~11 min (memory ~310 s side by side, then sanitizer
+        # ~140-180 s, step-time gate ~171 s and fused print ~34 s alone): more than one device
+        # call (10 min), so there it runs as refresh-memory, then refresh-times.
         "refresh": [*memory, sanitize, steptime_gate, fused],
         # the memory sessions alone (after a change to a measured path whose figures are bytes,
         # benchmarks._freshness.MEASURED_PATHS), and the sessions whose figures are times

@@ -109,3 +109,12 @@ def test_the_refresh_runs_every_benchmark_file():
 def test_the_time_gate_reads_the_variable_the_runner_sets():
     bench = pytest.importorskip("benchmarks.test_bench_megatron_scale")
     assert bench.SHARED_GPU == gpu_run.SHARED_GPU
+
+
+def test_a_step_name_selects_one_command():
+    # a step named on the command line runs the command its name stands for in every target
+    # that holds it: one name, one argv (and one log)
+    seen: dict[str, list[str]] = {}
+    for target in gpu_run._steps("OUT").values():
+        for step in target:
+            assert seen.setdefault(step.name, step.argv) == step.argv, step.name
