@@ -49,7 +49,8 @@ METRIC_TITLES = {
     "retained_bytes": "kept between steps (the leak)",
     "after_forward_bytes": "live after forward (kept for backward)",
     "end_of_backward_bytes": "live at the end of backward",
-    "step_time_vs_none_ratio": "step time / no reclaim (interleaved steps; not gated)",
+    "step_time_vs_none_ratio": "step time / no reclaim (interleaved steps in one child; on the "
+                               "H200 beside the refresh's other sessions: the 1% gate runs alone)",
     "recompute_flops": "recompute FLOPs (backward minus backward without AC)",
     "backward_flops": "backward FLOPs",
     "step_time_ratio": "step time, single-threaded / multithreaded backward (interleaved rounds)",

@@ -11,9 +11,11 @@ ci/gpu_offline.sh TARGET ...`` does both)::
 Every step's output goes into ``steps.log`` under ``--out`` (one section per step, headed by its
 command, exit status and seconds), and at most one JSON of its own beside it; ``run.json``
 records the commit, each step's exact command, exit status and seconds, so an evidence README
-names the runner, its arguments and that file. ``--parallel`` starts every step at once: memory
-figures are per process, step times are then not figures. The device tool brings back at most
-8 files: the runner says when a selection writes more.
+names the runner, its arguments and that file. ``--parallel`` starts every step at once but
+those marked ``alone`` (whose figures are times), which then run one at a time after the others;
+a step started beside others gets ``STACKFIX_GPU_SHARED_BY`` (``SHARED_GPU``), where a time gate
+skips. A step can be named in place of a target (``--list`` names each). The device tool brings
+back at most 8 files: the runner says when a selection writes more.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PY = "python3"
 MAX_FILES = 8  # what one device call brings back
+CALL_SECONDS = 600  # one device call's limit: refresh-times' step limits, set-up aside, fit it
 # Set in the environment of a step started beside others under --parallel (the number of steps
 # started together): its step times measure the other sessions' work too, so a time gate skips
 # there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone after them.
@@ -64,18 +67,19 @@ def _steps(out: str) -> dict[str, list[Step]]:
     # the sanitizers' step-time ratios, alone on the GPU (the refresh's last session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 330, json="bench-gpu-sanitize.json",
+        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 240, json="bench-gpu-sanitize.json",
         alone=True)
     # the megatron reclaim's 1% step-time gate, alone on the GPU: beside the memory sessions it
     # skips (SHARED_GPU), as a step time there measures the other sessions too
     steptime_gate = Step("bench-gpu-megatron-steptime-gate", [
         *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
-        "step_time_within_one_percent", "-p", "no:xdist", "-q"], 300, alone=True)
+        "step_time_within_one_percent", "-p", "no:xdist", "-q"], 240, alone=True)
     # the fused print's kernel times, alone: beside ten sessions its child's CPU reference print
     # did not end in 330 s (an H200 refresh at b6f7d12)
     fused = Step("bench-gpu-fused-print", [
         *PYTEST, "benchmarks/test_bench_fused_print.py", "-m", "gpu", "-p", "no:xdist", "-v",
-        f"--benchmark-json={o('bench-gpu-fused_print.json')}"], 240,
+        "-o", "faulthandler_timeout=60",
+        f"--benchmark-json={o('bench-gpu-fused_print.json')}"], 90,
         json="bench-gpu-fused_print.json", alone=True)
     # the benchmarks' memory sessions, side by side (their figures are per process)
     memory = [
@@ -136,8 +140,8 @@ def _steps(out: str) -> dict[str, list[Step]]:
             Step("bench-gpu-sanitize-and-gpu-tests", [
                 *PYTEST, "benchmarks/test_bench_sanitize.py",
                 "tests/test_sanitize_recompute_gpu.py", "-m", "gpu", "-p", "no:xdist", "-s",
-                f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 420,
-                json="bench-gpu-sanitize.json"),
+                f"--benchmark-json={o('bench-gpu-sanitize-and-gpu-tests.json')}"], 420,
+                json="bench-gpu-sanitize-and-gpu-tests.json"),
             Step("sanitizer-per-op-cuda", [
                 PY, "-m", "benchmarks.sanitizer_per_op", "--device", "cuda", "--json",
                 o("sanitizer-per-op-cuda.json")], 120, json="sanitizer-per-op-cuda.json")],
@@ -196,7 +200,8 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # --parallel): the benchmarks' gpu cases split into sessions started side by side (their
         # memory figures are per process), then each session whose figures are times alone on
         # the GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
-        # each, and `python -m benchmarks.dashboard --readme README.md` redraws from them.
+        # each, and `python -m benchmarks.dashboard -o benchmarks/results/dashboard.html
+        # --readme README.md` redraws from them.
         # On the H200 its sessions take ~11 min (memory ~310 s side by side, then sanitizer
         # ~140-180 s, step-time gate ~171 s and fused print ~34 s alone): more than one device
         # call (10 min), so there it runs as refresh-memory, then refresh-times.
@@ -290,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
     p.add_argument("--out", default=os.environ.get("EVIDENCE", "gpu-evidence"),
                    help="where the logs, JSON and run.json go ($EVIDENCE)")
-    p.add_argument("--parallel", action="store_true", help="start every step at once")
+    p.add_argument("--parallel", action="store_true",
+                   help="start every step at once, then those whose figures are times alone")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the targets and their commands")
     args = p.parse_args(argv)

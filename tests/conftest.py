@@ -15,8 +15,9 @@ import pytest
 from repro.harness import environment
 
 DEVICE_MARKERS = ("cpu", "gpu")
-# What a process group leaves in the process that made it: setup_megatron sets MASTER_ADDR /
-# MASTER_PORT (setdefault, as torchrun's ranks find them) and its TCPStore holds that port.
+# What a process group can leave in the process that made it: torchrun-style variables (an
+# env:// rendezvous reads MASTER_ADDR / MASTER_PORT there), whose TCPStore then holds that port
+# for every child the process starts (setup_megatron did this until it used its own store).
 WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 

@@ -114,7 +114,19 @@ def test_the_time_gate_reads_the_variable_the_runner_sets():
 def test_a_step_name_selects_one_command():
     # a step named on the command line runs the command its name stands for in every target
     # that holds it: one name, one argv (and one log)
-    seen: dict[str, list[str]] = {}
+    seen: dict[str, gpu_run.Step] = {}
+    writes: dict[str, str] = {}
     for target in gpu_run._steps("OUT").values():
         for step in target:
-            assert seen.setdefault(step.name, step.argv) == step.argv, step.name
+            assert seen.setdefault(step.name, step) == step, step.name
+            # and two steps never write one JSON (run together, the second overwrote the first)
+            if step.json:
+                assert writes.setdefault(step.json, step.name) == step.name, step.json
+
+
+def test_the_refresh_times_fit_one_device_call():
+    # run alone, one after another: their limits together, with ~20 s of set-up, within one
+    # call, so that a cut call still leaves its run.json (the first refresh's was lost)
+    steps = gpu_run._steps("OUT")["refresh-times"]
+    assert all(s.alone for s in steps)
+    assert sum(s.timeout for s in steps) + 20 <= gpu_run.CALL_SECONDS

@@ -307,7 +307,7 @@ def test_setup_megatron_leaves_the_environment_as_it_found_it():
         before = dict(os.environ)
         setup_megatron("cpu")
         store = dist.distributed_c10d._get_default_store()
-        while hasattr(store, "underlying_store"):  # the PrefixStore over the TCPStore
+        while hasattr(store, "underlying_store"):  # the PrefixStore over the store made
             store = store.underlying_store
         print("RESULT", json.dumps({"same_env": dict(os.environ) == before,
                                     "store": type(store).__name__,
