@@ -17,6 +17,10 @@ tensors compared, detections, the fresh walks of the modules, the gradient dista
 the median step time and the median of the round-by-round ratios, each with every round
 (``*_repeats``).
 
+Each round starts with the collector's young generations empty, what lived after the first
+steps frozen out of it (``gc.freeze``): a full collection of the imports' objects landing in one
+round read as a 10-20% slower step of whichever mode it hit.
+
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
 per sanitized mode, the host functions one sanitized step spends its time in (cProfile, by
@@ -126,6 +130,7 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
 
     def timed_step(name: str) -> float:
         """The mode entered for two steps: the second's time; the first's kept in ``first``."""
+        gc.collect()  # the young generations empty: every round's collections alike
         with _mode(name):
             t0 = now()
             step()
@@ -135,7 +140,18 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
         first[name].append(t1 - t0)
         return t2 - t1
 
-    times = interleaved(list(MODES), timed_step, steps)
+    # A steadier clock for steps of 30-80 ms (issue 43: an unsanitized control read 0.85-1.05
+    # at 7388bb7, full collections of the imports' million objects landing in random rounds):
+    # what lived after the first steps (modules, the model, its state) is frozen out of the
+    # collector -- a long run's steady state; Megatron-LM's --manual-gc exists for the same
+    # jitter -- and each round starts with the young generations empty. A collection the
+    # step's own allocations trigger is still inside its time.
+    gc.collect()
+    gc.freeze()
+    try:
+        times = interleaved(list(MODES), timed_step, steps)
+    finally:
+        gc.unfreeze()
     for prefix, measured in (("", times), ("first_", first)):
         ratios = ratios_to(measured, "none")
         for name in MODES:
@@ -163,6 +179,14 @@ def _profile(step, path: str) -> None:
             profiler.disable()
         out.write(f"== {name} (values={MODES[name]!r})\n")
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+        # the sanitizer's own functions: their own time summed (its host share of the step),
+        # then by cumulative time (by part)
+        stats = pstats.Stats(profiler, stream=out)
+        own = sum(tt for (path, _, _), (_, _, tt, _, _) in stats.stats.items()
+                  if "fixes/sanitize" in path)
+        out.write(f"== {name}: fixes/sanitize's own time {own * 1e3:.1f} ms of the step's "
+                  f"{stats.total_tt * 1e3:.1f} ms; by cumulative time\n")
+        stats.sort_stats("cumulative").print_stats("fixes/sanitize", 25)
     with open(path, "w") as f:
         f.write(out.getvalue())
 

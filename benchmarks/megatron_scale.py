@@ -22,8 +22,9 @@ Strategies: ``none``, ``verl-0.8.0`` and ``verl-0.9.1`` (verl's released reclaim
 (Megatron-LM #6339: clear the detached inputs' ``.grad``) and ``gc-collect`` (radixark/miles
 #2862: ``gc.collect()`` after each recomputed backward), both in ``repro.reclaims``, and
 ``ours`` (``fixes.megatron``). Each
-(strategy, model) runs in its own child interpreter (one verl per process), every size and
-dtype in it: build, warm-up step, then ``gc`` off, the bytes of one measured step, then the
+strategy runs in a child interpreter of its own (one verl per process), every model, size and
+dtype in it one after the other (one import of megatron-core, ~9 s on the H200 host, per
+strategy): build, warm-up step, then ``gc`` off, the bytes of one measured step, then the
 median of ``--steps`` timed steps.
 
 Figures are absolute: bytes above what the built model holds (parameters, buffers, the batch),
@@ -55,11 +56,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from benchmarks._meters import CpuMeter, CudaMeter
@@ -248,10 +250,10 @@ def _measure(cell: Cell, steps: int, trace: bool = False,
         gc.enable()
 
 
-def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dtypes,
-              device: str = "cuda", trace: bool = False, ep: int = 1) -> list[Cell]:
-    """Inside the child (one rank of it with ``ep`` > 1): one strategy and model, every size and
-    dtype."""
+def run_child(models: str | Sequence[str], strategy: str, dispatcher: str, steps: int, sizes,
+              dtypes, device: str = "cuda", trace: bool = False, ep: int = 1) -> list[Cell]:
+    """Inside the child (one rank of it with ``ep`` > 1): one strategy, every model (one after
+    the other, as the dtypes), size and dtype."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
     from repro.harness.megatron_world import setup_megatron
@@ -262,29 +264,30 @@ def run_child(model: str, strategy: str, dispatcher: str, steps: int, sizes, dty
         from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 
         install_megatron_cpu_moe_shim()  # megatron's MoE router asks CUDA for its device
+
     def install(name: str) -> None:
         install_reclaim(name, CheckpointFunction)  # the harness's variant names
 
     install(strategy)
     cells = []
-    for hidden, seq in sizes:
-        for dtype in dtypes:
-            cell = Cell(model, strategy, dispatcher if model in MOE_MODELS else "-",
-                        hidden, seq, dtype, device, ep)
-            try:
-                _measure(cell, steps, trace, install)
-                gc.collect()  # the model of this cell goes before the next is built
-            except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
-                cell.error = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
-            cells.append(cell)
+    for model, (hidden, seq), dtype in itertools.product(_model_list(models), sizes, dtypes):
+        cell = Cell(model, strategy, dispatcher if model in MOE_MODELS else "-",
+                    hidden, seq, dtype, device, ep)
+        try:
+            _measure(cell, steps, trace, install)
+            gc.collect()  # the model of this cell goes before the next is built
+        except Exception as e:  # noqa: BLE001 -- reported per cell, the others still run
+            cell.error = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+        cells.append(cell)
     return cells
 
 
-def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps: int,
-                   dispatcher: str = "allgather", trace: bool = False, ep: int = 1) -> list[dict]:
+def cells_in_child(models: str | Sequence[str], strategy: str, device: str, sizes, dtypes,
+                   steps: int, dispatcher: str = "allgather", trace: bool = False,
+                   ep: int = 1) -> list[dict]:
     """``run_child`` in a process of its own (one verl release per process; ``ep`` > 1: one per
-    rank, rank 0's cells): its cells as dicts, or one cell with ``error`` (no ``hidden``) saying
-    why the child produced none.
+    rank, rank 0's cells) for one model or several: its cells as dicts, or one cell with
+    ``error`` (no ``hidden``) saying why the child produced none.
 
     On CPU the child (each rank) is forked by the fork server (repro.harness.forkserver: torch
     and megatron-core imported once, not once per child; its figures are MemTracker's bytes of
@@ -293,6 +296,7 @@ def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps:
     from repro.harness.isolated import run_isolated, run_loopback_ranks
 
     size_arg = ",".join(f"{h}x{s}" for h, s in sizes)
+    model = ",".join(_model_list(models))
     args = ["--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
             "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
             "--ep", str(ep), *(["--trace"] if trace else [])]
@@ -310,6 +314,11 @@ def cells_in_child(model: str, strategy: str, device: str, sizes, dtypes, steps:
         return json.loads(line[-1][len("CELLS "):])
     tail = (res.stderr.strip().splitlines() or [""])[-1]
     return [{"model": model, "strategy": strategy, "error": f"{res.describe()}: {tail[:400]}"}]
+
+
+def _model_list(models: str | Sequence[str]) -> list[str]:
+    """``"moe,gpt-mtp"`` or a sequence of names -> the names."""
+    return [m for m in models.split(",") if m] if isinstance(models, str) else list(models)
 
 
 def _choices(value: str, allowed, what: str) -> list[str]:
@@ -349,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep not in splits:
         raise SystemExit(f"error: --ep {args.ep}: allowed {', '.join(map(str, splits))} "
                          f"(it splits the {EXPERTS} experts)")
-    if args.ep > 1 and any(m not in MOE_MODELS for m in ([args.child[0]] if args.child else models)):
+    if args.child:
+        _choices(args.child[0], MODELS, "child models")
+    if args.ep > 1 and any(m not in MOE_MODELS for m in (_model_list(args.child[0]) if args.child
+                                                         else models)):
         raise SystemExit(f"error: --ep {args.ep} needs MoE models only: --models "
                          f"{','.join(MOE_MODELS)}")
     if args.ep > 1 and args.device == "cuda" and not args.child:
@@ -365,17 +377,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     cells: list[dict] = []
-    for model in models:
-        for strategy in strategies:
-            got = cells_in_child(model, strategy, args.device, sizes, dtypes, args.steps,
-                                 args.dispatcher, args.trace, args.ep)
-            cells.extend(got)
-            done = "hidden" in got[-1]
-            print(_row(got[-1]) if done else f"{model} {strategy}: {got[-1]['error']}",
+    for strategy in strategies:
+        got = cells_in_child(models, strategy, args.device, sizes, dtypes, args.steps,
+                             args.dispatcher, args.trace, args.ep)
+        cells.extend(got)
+        for c in got:
+            print(_row(c) if "hidden" in c else f"{c['model']} {strategy}: {c['error']}",
                   file=sys.stderr, flush=True)
-            if args.out:  # after every child: a run cut short keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump(cells, f, indent=2)
+        if args.out:  # after every child: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(cells, f, indent=2)
     print(table(cells))
     return 1 if any(c.get("error") for c in cells) else 0
 

@@ -13,10 +13,12 @@ two GPUs; rank 0's figures).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
+from benchmarks import _children
 from benchmarks import megatron_scale as ms
 from benchmarks._bench import record
 from benchmarks._spread import MIN_REPEATS
@@ -94,30 +96,88 @@ def _params(strategies=ms.STRATEGIES, models=None):
     return out
 
 
-def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
-    """One child per (device, model, strategy, size) and session, every dtype in it: a
-    session selected by size (``-k 2048x4096``, as ``ci/gpu_run.py refresh`` splits them)
-    starts no child for the other size."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+def _unrunnable(device: str, model: str, strategy: str) -> str | None:
+    """Why a cell cannot run here (its verl release missing, too few GPUs), or None."""
     if strategy.startswith("verl-"):
         from repro.verl_release import missing_release
 
-        version = strategy.removeprefix("verl-")
-        why = missing_release(version)
+        why = missing_release(strategy.removeprefix("verl-"))
         if why is not None:
-            pytest.skip(why)
-    base, ep = _model_and_ep(model)
+            return why
+    ep = _model_and_ep(model)[1]
     if device == "cuda" and ep > 1:
         import torch
 
         if torch.cuda.device_count() < ep:
-            pytest.skip(f"needs {ep} GPUs (one expert-parallel rank each); "
-                        f"torch.cuda.device_count() is {torch.cuda.device_count()}")
+            return (f"needs {ep} GPUs (one expert-parallel rank each); "
+                    f"torch.cuda.device_count() is {torch.cuda.device_count()}")
+    return None
+
+
+# The strategies each relation test reads beside its own (planned with it: _needs)
+READS = {"test_every_reclaim_frees_the_moe_leak": ("none",),
+         "test_ours_frees_what_verl_080_frees": ("verl-0.8.0",),
+         "test_ours_keeps_no_more_than_each_rival": ("ours",),
+         "test_ours_gradients_are_megatrons_bitwise": ("none",),
+         "test_ours_costs_no_memory_without_a_leak": ("none",)}
+
+
+def _needs(items) -> dict[str, list[_children.Need]]:
+    """Per device, the cells the session's selected tests of this module read (a skipped test
+    reads none)."""
+    needs: dict[str, list[_children.Need]] = {}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__ \
+                or "strategy" not in params:
+            continue
+        name = item.originalname
+        if name == "test_ours_step_time_within_one_percent" and os.environ.get(SHARED_GPU):
+            continue
+        device, model = params["device"], params["model"]
+        for strategy in (params["strategy"], *READS.get(name, ())):
+            if _unrunnable(device, model, strategy) is None:
+                base, ep = _model_and_ep(model)
+                needs.setdefault(device, []).append(_children.Need(
+                    device, model, strategy, ep, params["hidden"], params["seq"]))
+    return needs
+
+
+def _measure_child(key: tuple, models: list[str]) -> list[dict]:
+    """One child: ``key``'s strategy and size, every model in ``models`` (one expert-parallel
+    split: the key's), every dtype; the cells carry the test's model names."""
+    device, strategy, ep, hidden, seq = key
     plan = PLAN[device]
+    named = {_model_and_ep(m)[0]: m for m in models}
+    cells = ms.cells_in_child(list(named), strategy, device, [(hidden, seq)], plan["dtypes"],
+                              timed_steps(device, models[0], strategy), ep=ep)
+    return [{**c, "model": named.get(c.get("model"), c.get("model"))} for c in cells]
+
+
+@pytest.fixture(scope="session")
+def megatron_cells(request, figure_book):
+    """``(device, model, hidden, seq, dtype, strategy) -> cell``: from the session's planned
+    children, per device (``benchmarks._children``), kept in the figure book."""
+    made = {device: _children.Children(needs, _measure_child,
+                                       _children.at_once(SHARED_GPU, device))
+            for device, needs in _needs(request.session.items).items()}
+    yield functools.partial(_cell, figure_book, made)
+    for children in made.values():
+        children.close()
+
+
+def _cell(book, children, device, model, hidden, seq, dtype, strategy) -> dict:
+    """A cell from the session's planned children: a session selected by size (``-k
+    2048x4096``, as ``ci/gpu_run.py refresh`` splits them) starts no child for the other
+    size."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    why = _unrunnable(device, model, strategy)
+    if why is not None:
+        pytest.skip(why)
+    need = _children.Need(device, model, strategy, _model_and_ep(model)[1], hidden, seq)
     cells = book.get(("megatron-scale", device, model, strategy, hidden, seq),
-                     lambda: ms.cells_in_child(base, strategy, device, [(hidden, seq)],
-                                               plan["dtypes"], timed_steps(device, model, strategy),
-                                               ep=ep))
+                     lambda: (children[device].cells(need) if device in children
+                              else _measure_child(need.child(), [model])))
     for c in cells:
         if "hidden" not in c:
             raise RuntimeError(f"{model}/{strategy} on {device}: {c['error']}")
@@ -129,11 +189,11 @@ def _cell(book, device, model, hidden, seq, dtype, strategy) -> dict:
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"), _params())
-def test_megatron_scale(benchmark, figure_book, device, model, hidden, seq, dtype, strategy):
+def test_megatron_scale(benchmark, megatron_cells, device, model, hidden, seq, dtype, strategy):
     got = {}
     # The time is the child's whole run: the figures that matter are bytes and the step ratio.
     benchmark.pedantic(lambda: got.update(
-        _cell(figure_book, device, model, hidden, seq, dtype, strategy)), rounds=1, iterations=1)
+        megatron_cells(device, model, hidden, seq, dtype, strategy)), rounds=1, iterations=1)
     # every interleaved step's ratio, for the spread the dashboard shows the median with
     assert len(got["step_time_ratios"]) == timed_steps(device, model, strategy)
     figures = {"peak_bytes": got["peak_bytes"], "retained_bytes": got["retained_bytes"],
@@ -148,23 +208,25 @@ def test_megatron_scale(benchmark, figure_book, device, model, hidden, seq, dtyp
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          _params(strategies=("verl-0.8.0", "verl-0.9.1", "ours"), models=LEAKY))
-def test_every_reclaim_frees_the_moe_leak(figure_book, device, model, hidden, seq, dtype, strategy):
+def test_every_reclaim_frees_the_moe_leak(megatron_cells, device, model, hidden, seq, dtype,
+                                          strategy):
     """The reason a reclaim exists: an MoE step leaves its checkpoints' inputs and grads alive;
     with any reclaim less stays between steps, and the peak is no higher."""
-    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
-    got = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    none = megatron_cells(device, model, hidden, seq, dtype, "none")
+    got = megatron_cells(device, model, hidden, seq, dtype, strategy)
     assert got["retained_bytes"] < none["retained_bytes"]
     assert got["peak_bytes"] <= none["peak_bytes"]
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          _params(strategies=("ours",), models=LEAKY))
-def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq, dtype, strategy):
+def test_ours_frees_what_verl_080_frees(megatron_cells, device, model, hidden, seq, dtype,
+                                        strategy):
     """With the leak, the reclaim keeps no more between steps, and peaks no higher, than verl
     0.8.0's reclaim, which frees every input and grad (unsafely); it allocates nothing of its
     own on the device."""
-    verl = _cell(figure_book, device, model, hidden, seq, dtype, "verl-0.8.0")
-    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    verl = megatron_cells(device, model, hidden, seq, dtype, "verl-0.8.0")
+    ours = megatron_cells(device, model, hidden, seq, dtype, strategy)
     if device == "cpu":  # exact bytes
         assert ours["retained_bytes"] <= verl["retained_bytes"], (ours, verl)
         assert ours["peak_bytes"] <= verl["peak_bytes"], (ours, verl)
@@ -177,13 +239,13 @@ def test_ours_frees_what_verl_080_frees(figure_book, device, model, hidden, seq,
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          _params(strategies=RIVALS, models=LEAKY))
-def test_ours_keeps_no_more_than_each_rival(figure_book, device, model, hidden, seq, dtype,
+def test_ours_keeps_no_more_than_each_rival(megatron_cells, device, model, hidden, seq, dtype,
                                             strategy):
     """With the leak, ours keeps no more between steps, and peaks no higher, than each rival
     fix (Megatron-LM #6339 frees the kept inputs' grads but not the inputs; a ``gc.collect()``
     frees only what a reference cycle holds, and the leaked graph is reachable)."""
-    rival = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
-    ours = _cell(figure_book, device, model, hidden, seq, dtype, "ours")
+    rival = megatron_cells(device, model, hidden, seq, dtype, strategy)
+    ours = megatron_cells(device, model, hidden, seq, dtype, "ours")
     for figure in ("retained_bytes", "peak_bytes"):
         slack = 0 if device == "cpu" else max(rival[figure] * CUDA_ROUNDING, CUDA_BLOCK_SLACK)
         assert ours[figure] <= rival[figure] + slack, (figure, ours[figure], rival[figure])
@@ -192,25 +254,25 @@ def test_ours_keeps_no_more_than_each_rival(figure_book, device, model, hidden, 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          [p for p in _params(strategies=(*RIVALS, "ours"))
                           if p.values[0] == "cpu" or p.values[4] == "fp32"])
-def test_ours_gradients_are_megatrons_bitwise(figure_book, device, model, hidden, seq, dtype,
+def test_ours_gradients_are_megatrons_bitwise(megatron_cells, device, model, hidden, seq, dtype,
                                               strategy):
     """The reclaim (and each rival fix) changes no value: after the measured step every
     parameter's gradient is bitwise the one megatron's own backward gives (digests of the raw
     bytes). On CUDA in fp32 only: bf16 MoE steps accumulate with atomics, which differ run to
     run with any code."""
-    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
-    got = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    none = megatron_cells(device, model, hidden, seq, dtype, "none")
+    got = megatron_cells(device, model, hidden, seq, dtype, strategy)
     assert got["grads_sha256"] and got["grads_sha256"] == none["grads_sha256"]
 
 
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          _params(strategies=("ours",), models=("gpt-mtp",)))
-def test_ours_costs_no_memory_without_a_leak(figure_book, device, model, hidden, seq, dtype,
+def test_ours_costs_no_memory_without_a_leak(megatron_cells, device, model, hidden, seq, dtype,
                                              strategy):
     """No leak (dense GPT + MTP, whose MTP input is a chunk view): no higher a peak and no more
     kept between steps than no reclaim."""
-    none = _cell(figure_book, device, model, hidden, seq, dtype, "none")
-    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    none = megatron_cells(device, model, hidden, seq, dtype, "none")
+    ours = megatron_cells(device, model, hidden, seq, dtype, strategy)
     assert ours["peak_bytes"] <= none["peak_bytes"]
     assert ours["retained_bytes"] <= none["retained_bytes"]
 
@@ -218,12 +280,12 @@ def test_ours_costs_no_memory_without_a_leak(figure_book, device, model, hidden,
 @pytest.mark.parametrize(("device", "model", "hidden", "seq", "dtype", "strategy"),
                          [p for p in _params(strategies=("ours",))
                           if p.values[0] == "cuda" and p.values[2:4] in STEP_TIME_SIZES])
-def test_ours_step_time_within_one_percent(figure_book, device, model, hidden, seq, dtype,
+def test_ours_step_time_within_one_percent(megatron_cells, device, model, hidden, seq, dtype,
                                            strategy):
     if os.environ.get(SHARED_GPU):
         pytest.skip(f"{SHARED_GPU}={os.environ[SHARED_GPU]}: this session shares the GPU with "
                     "others, whose work its step times would measure; the refresh's "
                     "bench-gpu-megatron-steptime-gate session runs this gate alone")
-    ours = _cell(figure_book, device, model, hidden, seq, dtype, strategy)
+    ours = megatron_cells(device, model, hidden, seq, dtype, strategy)
     assert ours["step_time_ratio"] <= STEP_TIME_LIMIT, (
         f"{ours['step_ms']:.2f} ms vs {ours['none_step_ms']:.2f} ms without a reclaim")
