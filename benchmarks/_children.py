@@ -11,8 +11,9 @@ ran its six strategies' children one after the other: the refresh's longest sess
   gate's session runs one child, not three;
 * where the session already shares the GPU with other sessions (``SHARED_GPU`` set: its step
   times are not gated there) up to ``AT_ONCE`` children run together -- memory figures are
-  per process and unchanged by a neighbour; anywhere else one at a time, so that a child's
-  step times never measure another child's work.
+  per process and unchanged by a neighbour; a child that ran out of device memory there runs
+  once more -- and anywhere else one at a time, so that a child's step times never measure
+  another child's work.
 
 A cell the plan did not foresee (a test reading a strategy its ``reads`` does not name) is
 measured when asked for, as before: slower, never wrong.
@@ -25,7 +26,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-AT_ONCE = 3  # children together in a session sharing the GPU (~9 GiB each at 2048x4096)
+# children together in a session sharing the GPU: three each in the refresh's six megatron
+# sessions ran the H200 out of memory (a 2048x4096 child holds ~12 GiB, a 1024x2048 one ~4 GiB,
+# beside the stack sessions' ~36 GiB; 9f4d346)
+AT_ONCE = 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Children:
     needs: list[Need]
     measure: Callable[[tuple, list[str]], list[dict]]
     at_once: int = 1
+    retried: list[tuple] = field(default_factory=list)  # children run again after an OOM
     _plan: dict[tuple, list[str]] = field(default_factory=dict)
     _futures: dict[tuple, Future] = field(default_factory=dict)
     _pool: ThreadPoolExecutor | None = None
@@ -70,7 +75,16 @@ class Children:
         self._pool = ThreadPoolExecutor(max_workers=max(self.at_once, 1),
                                         thread_name_prefix="megatron-child")
         for key, models in self._plan.items():
-            self._futures[key] = self._pool.submit(self.measure, key, models)
+            self._futures[key] = self._pool.submit(self._measure, key, models)
+
+    def _measure(self, key: tuple, models: list[str]) -> list[dict]:
+        """``measure``, once more where it ran out of device memory beside other children
+        (what the neighbours held then, not what the child needs)."""
+        got = self.measure(key, models)
+        if self.at_once > 1 and any("OutOfMemoryError" in str(c.get("error")) for c in got):
+            self.retried.append(key)
+            got = self.measure(key, models)
+        return got
 
     def cells(self, need: Need) -> list[dict]:
         """The cells of ``need``'s model from its child (errors included, as the child gave
@@ -79,7 +93,7 @@ class Children:
             self._start()
         if need.model not in self._plan.get(need.child(), ()):
             # through the pool: never beside more children than ``at_once``
-            return self._pool.submit(self.measure, need.child(), [need.model]).result()
+            return self._pool.submit(self._measure, need.child(), [need.model]).result()
         got = self._futures[need.child()].result()
         mine = [c for c in got if c.get("model") == need.model]
         # a child that died answers with one error cell (no ``hidden``) for all its models

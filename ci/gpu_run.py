@@ -14,8 +14,12 @@ records the commit, each step's exact command, exit status and seconds, so an ev
 names the runner, its arguments and that file. ``--parallel`` starts every step at once but
 those marked ``alone`` (whose figures are times), which then run one at a time after the others;
 a step started beside others gets ``STACKFIX_GPU_SHARED_BY`` (``SHARED_GPU``), where a time gate
-skips. A step can be named in place of a target (``--list`` names each). The device tool brings
-back at most 8 files: the runner says when a selection writes more.
+skips. When a step ends, whatever it left running is killed and named in its record
+(``left_running``: every process carrying its ``STACKFIX_GPU_STEP`` mark), and a step run alone
+records the host's load when it started (``load_at_start``): a refresh whose timed sessions ran
+at twice their usual step times (9f4d346) could not say what else was running then. A step can
+be named in place of a target (``--list`` names each). The device tool brings back at most 8
+files: the runner says when a selection writes more.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +42,8 @@ CALL_SECONDS = 600  # one device call's limit: refresh-times' step limits, set-u
 # started together): its step times measure the other sessions' work too, so a time gate skips
 # there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone after them.
 SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
+# every step's environment: "<runner pid>:<step>", how what it leaves running is found
+STEP_MARK = "STACKFIX_GPU_STEP"
 PYTEST = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
 RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.py",
                  "tests/test_reclaim_install_order.py", "tests/test_verl_reclaim.py",
@@ -257,17 +264,43 @@ def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
         env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
         if parallel and len(order) > 1 and n < len(order):
             env[SHARED_GPU] = str(len(order))
+        env[STEP_MARK] = f"{os.getpid()}:{step.name}"  # inherited by all it starts
+        extra = {} if n < len(order) else {"load_at_start": os.getloadavg()[0]}
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
-        running[i] = (step, proc, log, time.monotonic())
+        running[i] = (step, proc, log, time.monotonic(), env[STEP_MARK], extra)
         last_together = n >= len(order) - 1
         while running and (not parallel or last_together):
-            for j, (step_j, proc_j, log_j, start_j) in list(running.items()):
+            for j, (step_j, proc_j, log_j, start_j, mark_j, extra_j) in list(running.items()):
                 if proc_j.poll() is not None:  # its own end, not when it was waited for
-                    records[j] = _record(step_j, proc_j.returncode, log_j, start_j)
+                    left = _kill_left(mark_j)
+                    if left:
+                        log_j.write("\n[ci/gpu_run.py] left running after the step, killed: "
+                                    + "; ".join(left) + "\n")
+                    records[j] = {**_record(step_j, proc_j.returncode, log_j, start_j),
+                                  "left_running": left, **extra_j}
                     del running[j]
             time.sleep(0.2)
     return [records[i] for i in range(len(steps))]
+
+
+def _kill_left(mark: str) -> list[str]:
+    """Kill every process that carries ``mark`` in its environment (what a step started and
+    left running: its own session or process group out of reach of the step's ``timeout``)
+    and return each as "PID COMMAND LINE". Such a process loaded the host under the steps
+    that run alone after it (Linux: /proc; elsewhere nothing is found)."""
+    needle = f"{STEP_MARK}={mark}".encode()
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        left.append(f"{proc.name} {command}")
+    return left
 
 
 def _record(step: Step, rc: int, log, start: float) -> dict:

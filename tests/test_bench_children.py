@@ -124,3 +124,28 @@ def test_every_strategy_a_relation_test_reads_is_declared_in_reads():
                    if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "megatron_cells"
                    and isinstance(call.args[-1], ast.Constant)}
         assert literal == set(bench.READS.get(fn.name, ())), fn.name
+
+
+def test_a_child_out_of_device_memory_beside_others_runs_once_more_and_alone_never_again():
+    calls: list = []
+
+    def measure(key, models):
+        calls.append(key)
+        if len(calls) == 1:
+            return [{"model": "moe,gpt-mtp", "error": "OutOfMemoryError: CUDA out of memory"}]
+        return [{"model": m, "hidden": key[3]} for m in models]
+
+    shared = _children.Children([_need("moe", "ours")], measure, at_once=2)
+    try:
+        assert shared.cells(_need("moe", "ours")) == [{"model": "moe", "hidden": 2048}]
+    finally:
+        shared.close()
+    assert shared.retried == [("cuda", "ours", 1, 2048, 4096)] and len(calls) == 2
+
+    calls.clear()
+    alone = _children.Children([_need("moe", "ours")], measure, at_once=1)
+    try:  # one at a time: an OOM is the child's own
+        assert "OutOfMemoryError" in alone.cells(_need("moe", "ours"))[0]["error"]
+    finally:
+        alone.close()
+    assert alone.retried == [] and len(calls) == 1

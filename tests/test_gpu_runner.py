@@ -130,3 +130,27 @@ def test_the_refresh_times_fit_one_device_call():
     steps = gpu_run._steps("OUT")["refresh-times"]
     assert all(s.alone for s in steps)
     assert sum(s.timeout for s in steps) + 20 <= gpu_run.CALL_SECONDS
+
+
+def test_what_a_step_leaves_running_is_killed_when_it_ends_and_named_in_its_record(tmp_path,
+                                                                                  monkeypatch):
+    # A process a step started that outlives it (its own session: no process group reaches
+    # it) would load the host while the next steps -- those whose figures are times -- run.
+    pidfile = tmp_path / "pid"
+    left = f"setsid sleep 300 & echo $! > {pidfile}; echo started"
+    steps = [gpu_run.Step("leaves", ["sh", "-c", left], 30),
+             gpu_run.Step("timed", ["sh", "-c", "true"], 30, alone=True)]
+    monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
+    monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
+    monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setattr(gpu_run, "REPO", tmp_path)
+    assert gpu_run.main(["--out", str(tmp_path / "out"), "--parallel", "t"]) == 0
+    pid = int(pidfile.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    leaves, timed = record["steps"]
+    assert [p.split(" ", 1)[1] for p in leaves["left_running"]] == ["sleep 300"]
+    assert timed["left_running"] == []
+    assert "left running after the step, killed" in (tmp_path / "out" / "steps.log").read_text()
+    # the host's load when a step that times started (a quiet machine reads near 0)
+    assert isinstance(timed["load_at_start"], float) and "load_at_start" not in leaves
