@@ -12,11 +12,14 @@ Every step's output goes into ``steps.log`` under ``--out`` (one section per ste
 command, exit status and seconds), and at most one JSON of its own beside it; ``run.json``
 records the commit, each step's exact command, exit status and seconds, so an evidence README
 names the runner, its arguments and that file. ``--parallel`` starts every step at once but
-those marked ``alone`` (whose figures are times), which then run one at a time after the others;
-a step started beside others gets ``STACKFIX_GPU_SHARED_BY`` (``SHARED_GPU``), where a time gate
-skips. When a step ends, whatever it left running is killed and named in its record
-(``left_running``: every process carrying its ``STACKFIX_GPU_STEP`` mark), and a step run alone
-records the host's load when it started (``load_at_start``): a refresh whose timed sessions ran
+those marked ``alone`` (whose figures are times), which run first, one at a time, on the host as
+the call found it: after the side-by-side sessions the H200's host-bound steps ran up to 2.5x
+slower and noisier than on a fresh machine (the sanitizer benchmark's unsanitized steps, three
+refreshes against a run alone), and the 1% step-time gate failed there (30273be) and passed first
+thing on a fresh machine. A step started beside others gets ``STACKFIX_GPU_SHARED_BY``
+(``SHARED_GPU``), where a time gate skips. When a step ends, whatever it left running is
+killed and named in its record (``left_running``: every process carrying its
+``STACKFIX_GPU_STEP`` mark), and a step run alone records the host's load when it started (``load_at_start``): a refresh whose timed sessions ran
 at twice their usual step times (9f4d346) could not say what else was running then. A step can
 be named in place of a target (``--list`` names each). The device tool brings back at most 8
 files: the runner says when a selection writes more.
@@ -40,7 +43,7 @@ MAX_FILES = 8  # what one device call brings back
 CALL_SECONDS = 600  # one device call's limit: refresh-times' step limits, set-up aside, fit it
 # Set in the environment of a step started beside others under --parallel (the number of steps
 # started together): its step times measure the other sessions' work too, so a time gate skips
-# there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone after them.
+# there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone before them.
 SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
 # every step's environment: "<runner pid>:<step>", how what it leaves running is found
 STEP_MARK = "STACKFIX_GPU_STEP"
@@ -64,14 +67,14 @@ class Step:
     timeout: int  # seconds
     json: str | None = None  # a JSON file the step writes, under --out
     env: dict[str, str] = field(default_factory=dict)
-    # a step whose figures are times: under --parallel it still runs alone, after the others
+    # a step whose figures are times: under --parallel it still runs alone, before the others
     alone: bool = False
 
 
 def _steps(out: str) -> dict[str, list[Step]]:
     """Target -> its steps (``out``: where their files go)."""
     o = lambda name: f"{out}/{name}"  # noqa: E731
-    # the sanitizers' step-time ratios, alone on the GPU (the refresh's last session)
+    # the sanitizers' step-time ratios, alone on the GPU (the refresh's first session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
         f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 240, json="bench-gpu-sanitize.json",
@@ -204,14 +207,13 @@ def _steps(out: str) -> dict[str, list[Step]]:
                                      f"--benchmark-json={o('bench-gpu.json')}"], 540,
                        json="bench-gpu.json")],
         # every one-GPU figure the README and the dashboard publish, in one call (run it with
-        # --parallel): the benchmarks' gpu cases split into sessions started side by side (their
-        # memory figures are per process), then each session whose figures are times alone on
-        # the GPU. Each session writes one pytest-benchmark JSON; `python -m benchmarks.record` files
-        # each, and `python -m benchmarks.dashboard -o benchmarks/results/dashboard.html
-        # --readme README.md` redraws from them.
-        # On the H200 its sessions take ~11 min (memory ~310 s side by side, then sanitizer
-        # ~140-180 s, step-time gate ~171 s and fused print ~34 s alone): more than one device
-        # call (10 min), so there it runs as refresh-memory, then refresh-times.
+        # --parallel): each session whose figures are times alone on the GPU, then the
+        # benchmarks' other gpu cases split into sessions started side by side (their memory
+        # figures are per process). Each session writes one pytest-benchmark JSON; `python -m
+        # benchmarks.record` files each, and `python -m benchmarks.dashboard -o
+        # benchmarks/results/dashboard.html --readme README.md` redraws from them.
+        # On the H200 at 30273be: 502 s in one call (memory sessions 215 s side by side,
+        # sanitizer 131 s, step-time gate 106 s, fused print 48 s).
         "refresh": [*memory, sanitize, steptime_gate, fused],
         # the memory sessions alone (after a change to a measured path whose figures are bytes,
         # benchmarks._freshness.MEASURED_PATHS), and the sessions whose figures are times
@@ -252,25 +254,25 @@ def _commit() -> str:
 
 
 def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
-    """The steps one after another, or (``parallel``) all started at once but for those that
-    run ``alone`` (after the others, one at a time); their records in the order given."""
+    """The steps one after another, or (``parallel``) those that run ``alone`` first, one at a
+    time, then all the others started at once; their records in the order given."""
     records: dict[int, dict] = {}
     running = {}
-    order = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
-    alone = [i for i in range(len(steps)) if i not in order]
-    for n, i in enumerate(order + alone):
+    together = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
+    alone = [i for i in range(len(steps)) if i not in together]
+    for n, i in enumerate(alone + together):
         step = steps[i]
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
         env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
-        if parallel and len(order) > 1 and n < len(order):
-            env[SHARED_GPU] = str(len(order))
+        if parallel and len(together) > 1 and i in together:
+            env[SHARED_GPU] = str(len(together))
         env[STEP_MARK] = f"{os.getpid()}:{step.name}"  # inherited by all it starts
-        extra = {} if n < len(order) else {"load_at_start": os.getloadavg()[0]}
+        extra = {"load_at_start": os.getloadavg()[0]} if i in alone else {}
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
         running[i] = (step, proc, log, time.monotonic(), env[STEP_MARK], extra)
-        last_together = n >= len(order) - 1
-        while running and (not parallel or last_together):
+        wait = not parallel or i in alone or n == len(steps) - 1  # the last together: all
+        while running and wait:
             for j, (step_j, proc_j, log_j, start_j, mark_j, extra_j) in list(running.items()):
                 if proc_j.poll() is not None:  # its own end, not when it was waited for
                     left = _kill_left(mark_j)
@@ -287,8 +289,8 @@ def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
 def _kill_left(mark: str) -> list[str]:
     """Kill every process that carries ``mark`` in its environment (what a step started and
     left running: its own session or process group out of reach of the step's ``timeout``)
-    and return each as "PID COMMAND LINE". Such a process loaded the host under the steps
-    that run alone after it (Linux: /proc; elsewhere nothing is found)."""
+    and return each as "PID COMMAND LINE": such a process would load the host under the steps
+    after it (Linux: /proc; elsewhere nothing is found)."""
     needle = f"{STEP_MARK}={mark}".encode()
     left = []
     for proc in Path("/proc").glob("[0-9]*"):
