@@ -195,6 +195,30 @@ def test_a_rescan_visits_only_the_attributes_that_held_a_tensor(monkeypatch):
     assert model[0].settings not in visited and len(visited) <= 205
 
 
+def test_a_rescan_of_a_plain_object_visits_only_its_fields_that_held_a_tensor(monkeypatch):
+    """megatron's token dispatcher is a plain object: its rebound routing tensors beside the
+    config it holds (hundreds of fields). Its rescan reads the fields that held tensors, not
+    the config again (400 attribute visits a step, the rescans' whole cost, on a 4-layer MoE
+    with MoE-layer recompute)."""
+    model = _model(_Config())
+    config = types.SimpleNamespace(**{f"field_{i}": i for i in range(200)})
+    model[0].dispatcher = types.SimpleNamespace(config=config, probs=torch.zeros(2), topk=2,
+                                                routing_map=None)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=False)
+        visited = []
+        attribute = _reach._Scan._attribute
+        monkeypatch.setattr(_reach._Scan, "_attribute",
+                            lambda self, value, depth: visited.append(value)
+                            or attribute(self, value, depth))
+        model[0].dispatcher.probs = torch.ones(2)  # rebound: the old tensor is freed
+        got = walks.reached([model], fresh=False)
+    assert walks.rescanned == 1
+    assert id(model[0].dispatcher.probs) in {id(t) for t in got}
+    assert config not in visited and len(visited) <= 3
+
+
 def test_a_tensor_attached_where_no_hook_sees_it_is_seen_within_rewalk_rounds():
     model = _model(_Config())
     walks = _reach.Walks()
@@ -222,3 +246,22 @@ def test_the_registration_hooks_go_when_the_walks_stop_watching():
             with walks.watching():
                 pass
     assert [len(h) for h in hooks] == before
+
+
+def test_a_backwards_regions_are_compared_in_one_pass_then_each_where_one_changed():
+    # _reach.any_changed: every region's small state of one backward in one comparison;
+    # changed_flags: each region's own (a write into one region's state flags it only)
+    tensors = [[torch.zeros(3), torch.ones(2, dtype=torch.int64)], [torch.zeros(5)],
+               [torch.tensor([True]), torch.zeros(4, dtype=torch.bfloat16)]]
+    states = [_reach.State(ts) for ts in tensors]
+    items = [(key, *state.pairs()[torch.device("cpu")]) for key, state in zip("abc", states, strict=True)]
+    assert [(k, bool(f)) for k, f in _reach.changed_flags(items)] == [
+        ("a", False), ("b", False), ("c", False)]
+    assert not bool(_reach.any_changed(items))
+    tensors[1][0][4] = 1.0
+    assert bool(_reach.any_changed(items))
+    tensors[2][1][0] = -0.0  # another bit pattern, an equal value
+    assert [(k, bool(f)) for k, f in _reach.changed_flags(items)] == [
+        ("a", False), ("b", True), ("c", True)]
+    tensors[0][0].resize_(4)  # another shape: changed, with no comparison
+    assert states[0].pairs()[torch.device("cpu")] is None

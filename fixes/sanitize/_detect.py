@@ -375,8 +375,8 @@ def _pairs(forward: list, recompute: list) -> list:
 
 class _Check:
     """One recompute's values and outside state, judged after the backward's one
-    synchronisation: ``flags()`` are 0-d device tensors, true where something may differ
-    (exact prints, small state); ``host_changed`` is known without a synchronisation (version
+    synchronisation: ``print_flags()`` and the small state's flags are 0-d device tensors, true
+    where something may differ; ``host_changed`` is known without a synchronisation (version
     counters)."""
 
     def __init__(self, watch: Watch, recompute: _Side, state: State | None):
@@ -385,8 +385,10 @@ class _Check:
     def host_changed(self) -> bool:
         return self.state is not None and self.state.host_changed()
 
-    def flags(self) -> list[torch.Tensor]:
-        out = self.state.flags() if self.state is not None else []
+    def print_flags(self) -> list[torch.Tensor]:
+        """The value prints' flags (the small state's: ``_reach.changed_flags``, for every
+        check of the backward at once)."""
+        out: list[torch.Tensor] = []
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             if self.watch.printed and self.watch.forward is not None:
                 a_all, b_all = [], []

@@ -23,10 +23,11 @@ the detect tier's check of writes outside the region (``_detect``).
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
-  copy and one comparison kernel per device, not a few per tensor; the others by version
-  counter. ``flags()``: one 0-d device tensor per device, true when some small tensor's bits
-  changed (read after the backward's one synchronisation); ``changed()``: which ones (read
-  only for a flagged region).
+  copy per device, not a few per tensor; the others by version counter.
+  ``any_changed``: every region of a backward compared in one pass per device, a 0-d device
+  tensor true when some small tensor's bits changed (read after the backward's one
+  synchronisation); only where it is set, ``changed_flags``: which regions (a second
+  synchronisation), and ``changed()``: which tensors (read only for a flagged region).
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
-__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "State", "Walks", "reached", "roots_of"]
+__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "State", "Walks", "any_changed", "changed_flags",
+           "reached", "roots_of"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# attribute values walked no further (a module's own walk reaches its submodules)
+_ATOMIC = (torch.nn.Module, type, str, bytes, int, float)
+# what is no plain object or dict (a rescan reads the whole of it)
+_NOT_PLAIN = (torch.Tensor, *_ATOMIC, list, tuple)
 _WIDE = 64  # a container's first items walked
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 
@@ -219,7 +225,7 @@ class _Scan:
         object they hold (TransformerEngine's ``fp8_meta``), two levels deep."""
         if isinstance(value, torch.Tensor):
             self._add(value)
-        elif depth >= 2 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float)):
+        elif depth >= 2 or isinstance(value, _ATOMIC):
             return
         elif id(value) in self.seen:
             return
@@ -236,26 +242,68 @@ class _Scan:
             for x in list(vars(value).values())[:_WIDE]:
                 self._attribute(x, depth + 1)
 
-    def module(self, sub: torch.nn.Module, names: tuple[str, ...] | None = None,
-               ) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    def _held(self, value) -> tuple | None:
+        """Scan a module attribute's ``value``; for a plain object or a dict, the keys of its
+        fields that held a new tensor (a rescan reads only those), else None (a rescan scans
+        it whole)."""
+        if isinstance(value, dict) and id(value) not in self.seen:
+            items = list(value.items())
+        elif (not isinstance(value, _NOT_PLAIN) and not callable(value)
+              and isinstance(getattr(value, "__dict__", None), dict) and id(value) not in self.seen):
+            items = list(vars(value).items())
+        else:
+            self._attribute(value, 0)
+            return None
+        self.seen.add(id(value))
+        keys = []
+        for key, x in items[:_WIDE]:
+            before = len(self._new)
+            self._attribute(x, 1)
+            if len(self._new) > before:
+                keys.append(key)
+        return tuple(keys)
+
+    def _again(self, value, keys: tuple | None) -> None:
+        """A rescan of an attribute: only ``keys`` of a plain object or dict (a tensor under
+        another field is a new one: seen by the next fresh walk), else the whole of it."""
+        fields = (value if isinstance(value, dict) else
+                  None if isinstance(value, _NOT_PLAIN) or callable(value)
+                  else getattr(value, "__dict__", None))
+        if keys is None or not isinstance(fields, dict) or id(value) in self.seen:
+            self._attribute(value, 0)
+            return
+        self.seen.add(id(value))
+        for key in keys:
+            if key in fields:
+                self._attribute(fields[key], 1)
+
+    def module(self, sub: torch.nn.Module, held: tuple | None = None,
+               ) -> tuple[list[torch.Tensor], tuple]:
         """``sub``'s own parameters, buffers and tensor attributes (not its submodules'), less
-        those this pass found before, and the names of the attributes those were found under.
-        ``names``: only these attributes (a rescan: those a walk found tensors under; megatron's
-        modules also hold a config of hundreds of plain fields, walked again for nothing)."""
+        those this pass found before, and where those were found: ``(attribute name, the keys
+        of its fields that held them or None)`` each. ``held``: only there (a rescan:
+        megatron's modules, and its token dispatcher, also hold a config of hundreds of plain
+        fields, walked again for nothing)."""
         self._new = []
-        held = []
+        found = []
         attributes = sub.__dict__
-        for name in attributes if names is None else names:  # no parameter / buffer
-            if not name.startswith("_") and name in attributes:
-                before = len(self._new)
-                self._attribute(attributes[name], 0)
-                if len(self._new) > before:
-                    held.append(name)
+        if held is None:
+            for name in attributes:  # no parameter / buffer
+                if not name.startswith("_"):
+                    before = len(self._new)
+                    keys = self._held(attributes[name])
+                    if len(self._new) > before:
+                        found.append((name, keys))
+        else:
+            for name, keys in held:
+                if name in attributes:
+                    self._again(attributes[name], keys)
+            found = list(held)
         for t in (*sub._parameters.values(), *sub._buffers.values()):
             if t is not None:
                 self._add(t)
         new, self._new = self._new, []
-        return new, tuple(held)
+        return new, tuple(found)
 
 
 def _walk(modules: list[torch.nn.Module],
@@ -298,27 +346,31 @@ class State:
                 self.metas.append((t.shape, t.dtype))
             elif t.layout is torch.strided and not t.is_meta:
                 self.versions.append((t, t._version))
+        # the byte views of the snapshot, kept (until the backward's end) for the comparison:
+        # views of the same storage, read again then; made once, not twice per region
+        self._views: dict[torch.device, list[torch.Tensor]] = {}
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             for device, indices in groups.items():  # a copy: one kernel per device
-                self.snapshots[device] = (indices, torch.cat(
-                    [_bytes(self.small[i]) for i in indices]))
+                views = self._views[device] = [_bytes(self.small[i]) for i in indices]
+                self.snapshots[device] = (indices, torch.cat(views))
 
-    def _now(self, indices: list[int]) -> torch.Tensor | None:
-        """The small tensors' bytes now, or None if one changed shape or dtype."""
-        for i in indices:
-            t = self.small[i]
-            if (t.shape, t.dtype) != self.metas[i] or not fp.readable(t):
-                return None
-        return torch.cat([_bytes(self.small[i]) for i in indices])
+    def pairs(self) -> dict[torch.device, tuple[list[torch.Tensor], torch.Tensor] | None]:
+        """Per device: the small tensors' byte views as they are now and the snapshot from
+        before (``changed_flags`` compares them), or None where one changed shape or dtype or
+        can no longer be read (changed, without a comparison)."""
+        out: dict = {}
+        for device, (indices, before) in self.snapshots.items():
+            same = all((self.small[i].shape, self.small[i].dtype) == self.metas[i]
+                       and fp.readable(self.small[i]) for i in indices)
+            out[device] = (self._views[device], before) if same else None
+        return out
 
     def flags(self) -> list[torch.Tensor]:
         """One 0-d bool device tensor per device: some small tensor's bits changed."""
         out = []
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            for device, (indices, before) in self.snapshots.items():
-                now = self._now(indices)
-                out.append(torch.tensor(True, device=device) if now is None
-                           else (now != before).any())
+        for device, pair in self.pairs().items():
+            out += ([torch.tensor(True, device=device)] if pair is None
+                    else [f for _, f in changed_flags([(0, *pair)])])
         return out
 
     def settle(self) -> None:
@@ -376,8 +428,28 @@ class State:
         return True
 
 
+def changed_flags(items: list[tuple[object, list[torch.Tensor], torch.Tensor]],
+                  ) -> list[tuple[object, torch.Tensor]]:
+    """``(key, the byte views now, the snapshot before)`` of states on one device -> ``(key, a
+    0-d bool device tensor: some bit changed)`` each. No synchronisation."""
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        return [(key, (torch.cat(views) != before).any()) for key, views, before in items]
+
+
+def any_changed(items: list[tuple[object, list[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    """One 0-d bool device tensor: some bit of any of ``items`` (as ``changed_flags``) changed
+    -- a backward's regions in one comparison (four kernels, not three a region); only where
+    it is set does each region need its own flag. No synchronisation."""
+    with torch.no_grad(), torch._C._DisableTorchDispatch():
+        now = torch.cat([v for _, views, _ in items for v in views])
+        return (now != torch.cat([before for _, _, before in items])).any()
+
+
 def roots_of(fn, args, kwargs=None) -> list:
     """The objects a region's state is reached from: its function and its tensor arguments."""
-    leaves = [x for x in pytree.tree_leaves((args, kwargs or {}))
-              if isinstance(x, (torch.Tensor, torch.nn.Module))]
+    if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        leaves = args  # megatron's and torch's checkpoints: tensors and plain values
+    else:
+        leaves = pytree.tree_leaves((args, kwargs or {}))
+    leaves = [x for x in leaves if isinstance(x, (torch.Tensor, torch.nn.Module))]
     return [fn, *leaves]

@@ -73,7 +73,7 @@ from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._opsite import entry_frame
 from fixes.sanitize._patch import _apply, _ApplyPatch, _checkpoint_frame, _Patch
-from fixes.sanitize._reach import Walks, roots_of
+from fixes.sanitize._reach import Walks, any_changed, changed_flags, roots_of
 from fixes.sanitize._region import Region
 
 __all__ = ["ATOMIC_RTOL", "Divergence", "RecomputeMismatchError", "RecomputeSanitizer",
@@ -180,15 +180,30 @@ class RecomputeSanitizer:
             return
         self._walks.new_round()  # a backward ended: values="all" walks its modules anew
         flags: dict = {}
+        small: dict = {}  # device -> (check, byte views now, snapshot) of every check's state
         suspects: set[int] = set()
         for i, check in enumerate(pending):
             if check.host_changed():
                 suspects.add(i)
-            for flag in check.flags():
+            for flag in check.print_flags():
                 flags.setdefault(flag.device, []).append((i, flag))
+            if check.state is not None:
+                for device, pair in check.state.pairs().items():
+                    if pair is None:  # a small tensor changed shape or can no longer be read
+                        suspects.add(i)
+                    else:
+                        small.setdefault(device, []).append((i, *pair))
+        for device, items in small.items():  # every region's small state in one pass
+            flags.setdefault(device, []).append((items, any_changed(items)))
+        again: dict = {}  # where some region's small state changed: each region's flag
         for group in flags.values():  # the one synchronisation per device
-            bad = torch.stack([f for _, f in group]).tolist()
-            suspects.update(i for (i, _), b in zip(group, bad, strict=True) if b)
+            for i, _ in _set(group):
+                if isinstance(i, list):
+                    again[i[0][1][0].device] = changed_flags(i)
+                else:
+                    suspects.add(i)
+        for group in again.values():  # a second one, only there
+            suspects.update(i for i, _ in _set(group))
         for i in sorted(suspects):  # the suspects judged in full (they synchronise again)
             pending[i].finish()
 
@@ -346,6 +361,12 @@ class RecomputeSanitizer:
             return original(obj, run_function, *args)
 
         return checkpoint
+
+
+def _set(group: list[tuple[object, torch.Tensor]]) -> list[tuple[object, torch.Tensor]]:
+    """The entries of ``group`` (one device's) whose 0-d flag is set: one synchronisation."""
+    bad = torch.stack([f for _, f in group]).tolist()
+    return [entry for entry, b in zip(group, bad, strict=True) if b]
 
 
 _slot = ActiveSlot("recompute_sanitizer()")
