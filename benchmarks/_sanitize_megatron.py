@@ -18,13 +18,16 @@ the median step time and the median of the round-by-round ratios, each with ever
 (``*_repeats``).
 
 Each round starts with the collector's young generations empty, what lived after the first
-steps frozen out of it (``gc.freeze``): a full collection of the imports' objects landing in one
-round read as a 10-20% slower step of whichever mode it hit.
+steps frozen out of it (``gc.freeze``): a collection of the imports' million objects is then
+no round's alone. (Whether that was the spread of the unsanitized control, 0.85-1.05 at
+7388bb7 on the H200, is not shown: the next H200 runs came after the refresh's memory
+sessions, on a slower host.)
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
-per sanitized mode, the host functions one sanitized step spends its time in (cProfile, by
-own time): where the sanitizer's cost goes.
+per sanitized mode, the calls a step makes beyond an unsanitized step's and their own time,
+and the host functions its steps spend their time in (cProfile): where the sanitizer's cost
+goes.
 
     python -m benchmarks._sanitize_megatron --model moe --device cpu --size 128x128 --steps 3
     python -m benchmarks._sanitize_megatron --model moe --aux-loss 0.01 --recompute moe-layer
@@ -140,10 +143,9 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
         first[name].append(t1 - t0)
         return t2 - t1
 
-    # A steadier clock for steps of 30-80 ms (issue 43: an unsanitized control read 0.85-1.05
-    # at 7388bb7, full collections of the imports' million objects landing in random rounds):
-    # what lived after the first steps (modules, the model, its state) is frozen out of the
-    # collector -- a long run's steady state; Megatron-LM's --manual-gc exists for the same
+    # Rounds alike for the collector (steps of 30-80 ms; an unsanitized control read 0.85-1.05
+    # at 7388bb7): what lived after the first steps (modules, the model, its state) is frozen
+    # out of it -- a long run's steady state; Megatron-LM's --manual-gc exists for collection
     # jitter -- and each round starts with the young generations empty. A collection the
     # step's own allocations trigger is still inside its time.
     gc.collect()
@@ -164,28 +166,49 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     return result
 
 
+PROFILED_STEPS = 5  # per mode, after the step that enters it
+
+
+def _profiled(step, name: str) -> pstats.Stats:
+    profiler = cProfile.Profile()
+    with _mode(name):
+        step()
+        profiler.enable()
+        for _ in range(PROFILED_STEPS):
+            step()
+        profiler.disable()
+    return pstats.Stats(profiler)
+
+
+def induced(sanitized: pstats.Stats, plain: pstats.Stats) -> tuple[float, float]:
+    """(calls, own seconds) a step of ``sanitized`` makes beyond ``plain``'s: summed over the
+    functions called more often -- the sanitizer's, and torch's that it calls."""
+    calls = seconds = 0.0
+    for key, (_, n, tt, _, _) in sanitized.stats.items():
+        _, n0, tt0, _, _ = plain.stats.get(key, (0, 0, 0.0, 0.0, None))
+        if n > n0:
+            calls += n - n0
+            seconds += tt - tt0
+    return calls / PROFILED_STEPS, seconds / PROFILED_STEPS
+
+
 def _profile(step, path: str) -> None:
-    """One sanitized step per mode under cProfile (the second of the mode's entry, as the
-    timed one): the host functions by own time."""
+    """``PROFILED_STEPS`` steps per mode under cProfile (after the step that enters it, as the
+    timed ones): per sanitized mode, what it adds to an unsanitized step (calls, and their own
+    time), the host functions by own time, and the sanitizer's by cumulative time."""
     out = io.StringIO()
+    plain = _profiled(step, "none")
     for name in MODES:
         if MODES[name] in (None, "entered"):
             continue
-        profiler = cProfile.Profile()
-        with _mode(name):
-            step()
-            profiler.enable()
-            step()
-            profiler.disable()
-        out.write(f"== {name} (values={MODES[name]!r})\n")
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-        # the sanitizer's own functions: their own time summed (its host share of the step),
-        # then by cumulative time (by part)
-        stats = pstats.Stats(profiler, stream=out)
-        own = sum(tt for (path, _, _), (_, _, tt, _, _) in stats.stats.items()
-                  if "fixes/sanitize" in path)
-        out.write(f"== {name}: fixes/sanitize's own time {own * 1e3:.1f} ms of the step's "
-                  f"{stats.total_tt * 1e3:.1f} ms; by cumulative time\n")
+        stats = _profiled(step, name)
+        stats.stream = out
+        calls, seconds = induced(stats, plain)
+        out.write(f"== {name} (values={MODES[name]!r}): {calls:.0f} calls a step beyond the "
+                  f"unsanitized step's, their own time {seconds * 1e3:.2f} ms a step (under "
+                  f"cProfile)\n")
+        stats.sort_stats("tottime").print_stats(30)
+        out.write(f"== {name}: fixes/sanitize by cumulative time\n")
         stats.sort_stats("cumulative").print_stats("fixes/sanitize", 25)
     with open(path, "w") as f:
         f.write(out.getvalue())
