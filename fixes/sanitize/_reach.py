@@ -242,18 +242,11 @@ class _Scan:
             for x in list(vars(value).values())[:_WIDE]:
                 self._attribute(x, depth + 1)
 
-    def _held(self, value) -> tuple | None:
-        """Scan a module attribute's ``value``; for a plain object or a dict, the keys of its
-        fields that held a new tensor (a rescan reads only those), else None (a rescan scans
-        it whole)."""
-        if isinstance(value, dict) and id(value) not in self.seen:
-            items = list(value.items())
-        elif (not isinstance(value, _NOT_PLAIN) and not callable(value)
-              and isinstance(getattr(value, "__dict__", None), dict) and id(value) not in self.seen):
-            items = list(vars(value).items())
-        else:
-            self._attribute(value, 0)
-            return None
+    def _held(self, value, fields: dict) -> tuple:
+        """Scan a module attribute's ``value``, a plain object or dict not seen before, whose
+        ``fields`` are its ``__dict__`` or itself: the keys of those that held a new tensor (a
+        rescan reads only those)."""
+        items = list(fields.items())
         self.seen.add(id(value))
         keys = []
         for key, x in items[:_WIDE]:
@@ -266,10 +259,8 @@ class _Scan:
     def _again(self, value, keys: tuple | None) -> None:
         """A rescan of an attribute: only ``keys`` of a plain object or dict (a tensor under
         another field is a new one: seen by the next fresh walk), else the whole of it."""
-        fields = (value if isinstance(value, dict) else
-                  None if isinstance(value, _NOT_PLAIN) or callable(value)
-                  else getattr(value, "__dict__", None))
-        if keys is None or not isinstance(fields, dict) or id(value) in self.seen:
+        fields = _fields(value)
+        if keys is None or fields is None or id(value) in self.seen:
             self._attribute(value, 0)
             return
         self.seen.add(id(value))
@@ -288,12 +279,18 @@ class _Scan:
         found = []
         attributes = sub.__dict__
         if held is None:
-            for name in attributes:  # no parameter / buffer
-                if not name.startswith("_"):
-                    before = len(self._new)
-                    keys = self._held(attributes[name])
-                    if len(self._new) > before:
-                        found.append((name, keys))
+            for name, value in attributes.items():  # no parameter / buffer
+                if value is None or isinstance(value, _ATOMIC) or name.startswith("_"):
+                    continue  # nothing to find (most of a module's attributes)
+                before = len(self._new)
+                fields = None if isinstance(value, torch.Tensor) else _fields(value)
+                if fields is None or id(value) in self.seen:
+                    self._attribute(value, 0)
+                    keys = None  # a rescan reads it whole
+                else:
+                    keys = self._held(value, fields)
+                if len(self._new) > before:
+                    found.append((name, keys))
         else:
             for name, keys in held:
                 if name in attributes:
@@ -304,6 +301,16 @@ class _Scan:
                 self._add(t)
         new, self._new = self._new, []
         return new, tuple(found)
+
+
+def _fields(value) -> dict | None:
+    """A dict itself, a plain object's ``__dict__``; None for anything else."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, _NOT_PLAIN) or callable(value):
+        return None
+    fields = getattr(value, "__dict__", None)
+    return fields if isinstance(fields, dict) else None
 
 
 def _walk(modules: list[torch.nn.Module],
