@@ -170,6 +170,16 @@ def test_a_rebound_attribute_whose_old_tensor_died_is_seen_from_the_next_region(
     assert walks.walked == 1 and walks.rescanned == 1  # that module alone, scanned again
 
 
+def _visits(monkeypatch) -> list:
+    """Every value ``_reach._Scan._attribute`` visits from now on."""
+    visited: list = []
+    attribute = _reach._Scan._attribute
+    monkeypatch.setattr(_reach._Scan, "_attribute",
+                        lambda self, value, depth: visited.append(value)
+                        or attribute(self, value, depth))
+    return visited
+
+
 def test_a_rescan_visits_only_the_attributes_that_held_a_tensor(monkeypatch):
     """Each region of megatron's MoE layer rescans its token dispatcher (rebound routing
     state): the rescan must not walk what held no tensor at the walk (megatron's modules hold
@@ -181,11 +191,7 @@ def test_a_rescan_visits_only_the_attributes_that_held_a_tensor(monkeypatch):
     walks = _reach.Walks()
     with walks.watching():
         walks.reached([model], fresh=False)
-        visited = []
-        attribute = _reach._Scan._attribute
-        monkeypatch.setattr(_reach._Scan, "_attribute",
-                            lambda self, value, depth: visited.append(value)
-                            or attribute(self, value, depth))
+        visited = _visits(monkeypatch)
         model[0].cache = {"routing": torch.ones(2)}  # rebound: the old tensor is freed
         got = walks.reached([model], fresh=False)
     assert walks.rescanned == 1
@@ -207,11 +213,7 @@ def test_a_rescan_of_a_plain_object_visits_only_its_fields_that_held_a_tensor(mo
     walks = _reach.Walks()
     with walks.watching():
         walks.reached([model], fresh=False)
-        visited = []
-        attribute = _reach._Scan._attribute
-        monkeypatch.setattr(_reach._Scan, "_attribute",
-                            lambda self, value, depth: visited.append(value)
-                            or attribute(self, value, depth))
+        visited = _visits(monkeypatch)
         model[0].dispatcher.probs = torch.ones(2)  # rebound: the old tensor is freed
         got = walks.reached([model], fresh=False)
     assert walks.rescanned == 1
