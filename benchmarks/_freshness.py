@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 MEASURED_PATHS: dict[str, tuple[str, ...]] = {
     "recompute-reclaim": ("fixes/megatron/", "benchmarks/_reclaim.py",
                           "benchmarks/test_bench_reclaim.py", "benchmarks/_measure.py"),
+    # _children: how a session's children are grouped and run together (their step times)
     "megatron-scale": ("fixes/megatron/", "repro/reclaims.py", "benchmarks/megatron_scale.py",
-                       "benchmarks/test_bench_megatron_scale.py"),
+                       "benchmarks/test_bench_megatron_scale.py", "benchmarks/_children.py"),
     "activation-checkpoint": ("fixes/torchtitan/", "benchmarks/_ac.py",
                               "benchmarks/test_bench_activation_checkpoint.py",
                               "benchmarks/_measure.py"),
