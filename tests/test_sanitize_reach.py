@@ -267,3 +267,15 @@ def test_a_backwards_regions_are_compared_in_one_pass_then_each_where_one_change
         ("a", False), ("b", True), ("c", True)]
     tensors[0][0].resize_(4)  # another shape: changed, with no comparison
     assert states[0].pairs()[torch.device("cpu")] is None
+
+
+def test_a_small_tensor_given_another_storage_is_seen_changed():
+    # The snapshot's byte views alias the storage the tensor had; a recompute that swaps it
+    # (``set_``, ``.data =``) leaves them reading the old one: the swap itself must count.
+    for swap in (lambda t: t.set_(torch.ones(3)), lambda t: setattr(t, "data", torch.ones(3))):
+        t = torch.zeros(3)
+        state = _reach.State([t])
+        assert [bool(f) for f in state.flags()] == [False]
+        swap(t)
+        assert [bool(f) for f in state.flags()] == [True]
+        assert [u for u, _ in state.changed()] == [t]

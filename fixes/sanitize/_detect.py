@@ -386,8 +386,8 @@ class _Check:
         return self.state is not None and self.state.host_changed()
 
     def print_flags(self) -> list[torch.Tensor]:
-        """The value prints' flags (the small state's: ``_reach.changed_flags``, for every
-        check of the backward at once)."""
+        """The value prints' flags (the small state's are the sanitizer's, every check of the
+        backward in one pass: ``_reach.any_changed``)."""
         out: list[torch.Tensor] = []
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             if self.watch.printed and self.watch.forward is not None:

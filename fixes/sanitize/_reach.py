@@ -354,8 +354,11 @@ class State:
             elif t.layout is torch.strided and not t.is_meta:
                 self.versions.append((t, t._version))
         # the byte views of the snapshot, kept (until the backward's end) for the comparison:
-        # views of the same storage, read again then; made once, not twice per region
+        # views of the same storage, read again then; made once, not twice per region. Each
+        # tensor's data pointer with them: a tensor given another storage (``set_``, ``.data
+        # =``) leaves its view reading the old one, so the swap itself counts as a change.
         self._views: dict[torch.device, list[torch.Tensor]] = {}
+        self._pointers = [t.data_ptr() for t in self.small]
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             for device, indices in groups.items():  # a copy: one kernel per device
                 views = self._views[device] = [_bytes(self.small[i]) for i in indices]
@@ -363,12 +366,13 @@ class State:
 
     def pairs(self) -> dict[torch.device, tuple[list[torch.Tensor], torch.Tensor] | None]:
         """Per device: the small tensors' byte views as they are now and the snapshot from
-        before (``changed_flags`` compares them), or None where one changed shape or dtype or
-        can no longer be read (changed, without a comparison)."""
+        before (``changed_flags`` compares them), or None where one changed shape, dtype or
+        storage or can no longer be read (changed, without a comparison)."""
         out: dict = {}
         for device, (indices, before) in self.snapshots.items():
             same = all((self.small[i].shape, self.small[i].dtype) == self.metas[i]
-                       and fp.readable(self.small[i]) for i in indices)
+                       and fp.readable(self.small[i])
+                       and self.small[i].data_ptr() == self._pointers[i] for i in indices)
             out[device] = (self._views[device], before) if same else None
         return out
 

@@ -196,10 +196,10 @@ class RecomputeSanitizer:
         for device, items in small.items():  # every region's small state in one pass
             flags.setdefault(device, []).append((items, any_changed(items)))
         again: dict = {}  # where some region's small state changed: each region's flag
-        for group in flags.values():  # the one synchronisation per device
+        for device, group in flags.items():  # the one synchronisation per device
             for i, _ in _set(group):
-                if isinstance(i, list):
-                    again[i[0][1][0].device] = changed_flags(i)
+                if isinstance(i, list):  # the device's small state: which regions
+                    again[device] = changed_flags(i)
                 else:
                     suspects.add(i)
         for group in again.values():  # a second one, only there
