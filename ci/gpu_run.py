@@ -19,10 +19,11 @@ refreshes against a run alone), and the 1% step-time gate failed there (30273be)
 thing on a fresh machine. A step started beside others gets ``STACKFIX_GPU_SHARED_BY``
 (``SHARED_GPU``), where a time gate skips. When a step ends, whatever it left running is
 killed and named in its record (``left_running``: every process carrying its
-``STACKFIX_GPU_STEP`` mark), and a step run alone records the host's load when it started (``load_at_start``): a refresh whose timed sessions ran
-at twice their usual step times (9f4d346) could not say what else was running then. A step can
-be named in place of a target (``--list`` names each). The device tool brings back at most 8
-files: the runner says when a selection writes more.
+``STACKFIX_GPU_STEP`` mark), and a step run alone records the host's load when it started
+(``load_at_start``): a refresh whose timed sessions ran at twice their usual step times
+(9f4d346) could not say what else was running then. A step can be named in place of a target
+(``--list`` names each). The device tool brings back at most 8 files: the runner says when a
+selection writes more.
 """
 
 from __future__ import annotations
