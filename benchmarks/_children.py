@@ -22,6 +22,7 @@ measured when asked for, as before: slower, never wrong.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class Children:
         got = self.measure(key, models)
         if self.at_once > 1 and any("OutOfMemoryError" in str(c.get("error")) for c in got):
             self.retried.append(key)
+            # to the process's stderr: the session's log, whatever pytest captures
+            print(f"megatron-scale child {key} ran out of device memory beside others: "
+                  "running it once more", file=sys.__stderr__, flush=True)
             got = self.measure(key, models)
         return got
 

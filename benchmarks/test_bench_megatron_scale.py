@@ -69,7 +69,7 @@ STEP_TIME_SIZES = ((2048, 4096),)
 # Set by ci/gpu_run.py (its SHARED_GPU) in a session started beside others on one GPU: a step time
 # there measures their work too (two such gates failed at 1.016 and 1.038 beside five megatron
 # sessions, benchmarks/results/evidence/2026-12-03-h200-left-on/), so the gate skips and the refresh
-# runs it alone after them.
+# runs it alone, before them (ci/gpu_run.py --parallel: timed steps first, on a quiet host).
 SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
 # The CUDA caching allocator counts blocks, not tensor bytes: it serves a request from a cached
 # block up to 1 MiB larger without splitting it, and which block a request meets depends on the
@@ -137,7 +137,7 @@ def _needs(items) -> dict[str, list[_children.Need]]:
         device, model = params["device"], params["model"]
         for strategy in (params["strategy"], *READS.get(name, ())):
             if _unrunnable(device, model, strategy) is None:
-                base, ep = _model_and_ep(model)
+                ep = _model_and_ep(model)[1]
                 needs.setdefault(device, []).append(_children.Need(
                     device, model, strategy, ep, params["hidden"], params["seq"]))
     return needs

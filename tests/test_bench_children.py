@@ -126,7 +126,7 @@ def test_every_strategy_a_relation_test_reads_is_declared_in_reads():
         assert literal == set(bench.READS.get(fn.name, ())), fn.name
 
 
-def test_a_child_out_of_device_memory_beside_others_runs_once_more_and_alone_never_again():
+def test_a_child_out_of_device_memory_beside_others_runs_once_more_and_alone_never_again(capfd):
     calls: list = []
 
     def measure(key, models):
@@ -141,6 +141,8 @@ def test_a_child_out_of_device_memory_beside_others_runs_once_more_and_alone_nev
     finally:
         shared.close()
     assert shared.retried == [("cuda", "ours", 1, 2048, 4096)] and len(calls) == 2
+    # the session's log says so (the step log of ci/gpu_run.py, whatever pytest captures)
+    assert "('cuda', 'ours', 1, 2048, 4096) ran out of device memory" in capfd.readouterr().err
 
     calls.clear()
     alone = _children.Children([_need("moe", "ours")], measure, at_once=1)
