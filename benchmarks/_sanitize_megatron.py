@@ -8,11 +8,11 @@ sanitizer (the detect tier; the locator would run in the second only after a det
 first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
 within what two unsanitized steps differ by), then ``steps`` rounds of each mode, interleaved
 (none, all, sampled, metadata-only, and the sanitizer entered with no region watched,
-``_entered_no_region``; ``benchmarks._spread``). A round enters the mode and runs two steps:
-the second is the timed one -- a step of a sanitizer left on, as a training run enters it once
-(``values="sampled"`` / ``"none"`` keep their walk of the modules from step to step,
-``fixes.sanitize._reach.Walks``) -- and the first, which pays the entry and the first walk, is
-recorded beside it (``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions,
+``_entered_no_region``; ``benchmarks._spread``). A round enters the mode and runs
+``TIMED_STEPS + 1`` steps: the mean of the last ``TIMED_STEPS`` is its time -- steps of a
+sanitizer left on, as a training run enters it once (``values="sampled"`` / ``"none"`` keep
+their walk of the modules from step to step, ``fixes.sanitize._reach.Walks``) -- and the
+first, which pays the entry and the first walk, is recorded beside it (``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions,
 tensors compared, detections, the fresh walks of the modules, the gradient distances, per mode
 the median step time and the median of the round-by-round ratios, each with every round
 (``*_repeats``).
@@ -132,16 +132,18 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     first: dict[str, list[float]] = {name: [] for name in MODES}
 
     def timed_step(name: str) -> float:
-        """The mode entered for two steps: the second's time; the first's kept in ``first``."""
+        """The mode entered for ``TIMED_STEPS + 1`` steps: the mean time of the last
+        ``TIMED_STEPS``; the first's kept in ``first``."""
         gc.collect()  # the young generations empty: every round's collections alike
         with _mode(name):
             t0 = now()
             step()
             t1 = now()
-            step()
+            for _ in range(TIMED_STEPS):
+                step()
             t2 = now()
         first[name].append(t1 - t0)
-        return t2 - t1
+        return (t2 - t1) / TIMED_STEPS
 
     # Rounds alike for the collector (steps of 30-80 ms; an unsanitized control read 0.85-1.05
     # at 7388bb7): what lived after the first steps (modules, the model, its state) is frozen
@@ -166,6 +168,13 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     return result
 
 
+# Steps timed per round, after the one that enters the mode: their mean is the round's time.
+# One step a round read the unsanitized control (the sanitizer entered, no region run) at
+# 0.85-1.05 on the H200's host-bound bf16 cells, whose steps vary 20-40% from one to the next
+# (benchmarks/results/evidence/2026-12-04-h200-refresh2/): the mean of three narrows a round's
+# spread by up to sqrt(3) for ~35 s more of the refresh. A mean, not a minimum: a mode whose
+# cost comes every few steps (``values="sampled"`` rotates its regions) is paid in full.
+TIMED_STEPS = 3
 PROFILED_STEPS = 5  # per mode, after the step that enters it
 
 
