@@ -201,6 +201,19 @@ def induced(sanitized: pstats.Stats, plain: pstats.Stats) -> tuple[float, float]
     return calls / PROFILED_STEPS, seconds / PROFILED_STEPS
 
 
+def induced_by_function(sanitized: pstats.Stats, plain: pstats.Stats, top: int = 40) -> str:
+    """The ``top`` functions ``sanitized`` calls more often than ``plain`` a step: extra calls
+    and extra own time each, most calls first."""
+    rows = []
+    for key, (_, n, tt, _, _) in sanitized.stats.items():
+        _, n0, tt0, _, _ = plain.stats.get(key, (0, 0, 0.0, 0.0, None))
+        if n > n0:
+            rows.append(((n - n0) / PROFILED_STEPS, (tt - tt0) / PROFILED_STEPS, key))
+    rows.sort(key=lambda r: -r[0])
+    return "".join(f"{calls:9.0f} {seconds * 1e6:9.0f} us  {file}:{line}({name})\n"
+                   for calls, seconds, (file, line, name) in rows[:top])
+
+
 def _profile(step, path: str) -> None:
     """``PROFILED_STEPS`` steps per mode under cProfile (after the step that enters it, as the
     timed ones): per sanitized mode, what it adds to an unsanitized step (calls, and their own
@@ -216,6 +229,8 @@ def _profile(step, path: str) -> None:
         out.write(f"== {name} (values={MODES[name]!r}): {calls:.0f} calls a step beyond the "
                   f"unsanitized step's, their own time {seconds * 1e3:.2f} ms a step (under "
                   f"cProfile)\n")
+        out.write(f"== {name}: the functions it calls more often a step (extra calls, extra "
+                  "own time)\n" + induced_by_function(stats, plain))
         stats.sort_stats("tottime").print_stats(30)
         out.write(f"== {name}: fixes/sanitize by cumulative time\n")
         stats.sort_stats("cumulative").print_stats("fixes/sanitize", 25)
