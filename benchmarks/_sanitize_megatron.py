@@ -169,12 +169,10 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
 
 
 # Steps timed per round, after the one that enters the mode: their mean is the round's time.
-# One step a round read the unsanitized control (the sanitizer entered, no region run) at
-# 0.85-1.05 on the H200's host-bound bf16 cells, whose steps vary 20-40% from one to the next
-# (benchmarks/results/evidence/2026-12-04-h200-refresh2/): the mean of three narrows a round's
-# spread by up to sqrt(3) for ~35 s more of the refresh. A mean, not a minimum: a mode whose
-# cost comes every few steps (``values="sampled"`` rotates its regions) is paid in full.
-TIMED_STEPS = 3
+# One, measured: three (91b69ff) did not narrow the rounds' spread on the H200's host-bound
+# cells (the no-op control 0.72-1.30 a round, as with one) and took the refresh ~65 s more
+# (benchmarks/results/evidence/2026-12-04-h200-refresh3/). The spread is not step-to-step jitter.
+TIMED_STEPS = 1
 PROFILED_STEPS = 5  # per mode, after the step that enters it
 
 
