@@ -61,12 +61,11 @@ def test_a_kept_walk_is_not_reused_for_another_module_at_a_reused_id():
     model = _model(_Config(), n=1)
     walks.reached([model], fresh=True)
     key = (id(model),)
-    stale = walks._kept[key]
     other = types.SimpleNamespace()  # a stand-in where the module was: the weakref no longer
-    walks._kept[key] = ([lambda: other], *stale[1:])  # names this module
+    walks._kept[key].refs = [lambda: other]  # names this module
     got = walks.reached([model], fresh=False)
     assert {id(t) for t in got} >= {id(p) for p in model.parameters()}
-    assert walks._kept[key][0][0]() is model
+    assert walks._kept[key].refs[0]() is model
 
 
 def test_the_snapshot_tells_which_small_tensor_changed_and_gives_its_bits_back():
@@ -279,3 +278,47 @@ def test_a_small_tensor_given_another_storage_is_seen_changed():
         swap(t)
         assert [bool(f) for f in state.flags()] == [True]
         assert [u for u, _ in state.changed()] == [t]
+
+
+def test_a_kept_walk_is_read_without_sorting_its_tensors_again(monkeypatch):
+    """A kept walk's tensors come split (small by bits, the others by counter) from the walk:
+    a region reading it sorts only its own arguments (every region of megatron's block reaches
+    every parameter of the block, and sorting them was most of ``values="none"``'s host time
+    a region)."""
+    model = _model(_Config())
+    walks = _reach.Walks()
+    walks.reach([model], fresh=False)
+    sorted_counts: list[int] = []
+    of = _reach.Reached.of.__func__
+    monkeypatch.setattr(_reach.Reached, "of",
+                        classmethod(lambda cls, ts: sorted_counts.append(len(ts)) or of(cls, ts)))
+    arg = torch.ones(2)
+    got = walks.reach([model, arg], fresh=False)
+    assert sorted_counts == [1]  # the argument alone
+    assert {id(t) for t in got.versioned} == {id(p) for p in model.parameters()}
+    assert {id(t) for t in got.small} == {id(t) for t in (arg, *model.buffers(),
+                                                           model[0].config.table)}
+
+
+def test_settle_lets_go_of_every_tensor_whose_counter_did_not_move():
+    p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    state = _reach.State(_reach.Reached([], [p, q]))
+    with torch.no_grad():
+        q.add_(1)
+    state.settle()
+    assert [t for t, _ in state.versions] == [q] and state.host_changed()
+    quiet = _reach.State(_reach.Reached([], [p]))
+    quiet.settle()
+    assert quiet.versions == [] and not quiet.host_changed()
+
+
+def test_a_module_gone_with_its_dead_tensor_makes_the_walk_fresh():
+    model = _model(_Config())
+    model[0].cache = torch.zeros(2)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        del model[0]  # no registration hook sees a deletion; its tensors die with it
+        got = walks.reached([model], fresh=False)
+    assert walks.walked == 2
+    assert {id(t) for t in got} >= {id(p) for p in model.parameters()}

@@ -46,7 +46,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Verdict
-from fixes.sanitize._reach import State, Walks, reached
+from fixes.sanitize._reach import Reached, State, Walks, reached
 
 __all__ = ["Detection", "Watch"]
 
@@ -167,12 +167,12 @@ class Watch:
     def name(self) -> str:
         return f"{self.label} ({self.kind}, checkpointed at {describe_site(self.site)})"
 
-    def reached(self) -> list[torch.Tensor]:
+    def reached(self) -> Reached | list[torch.Tensor]:
         roots = [r() if isinstance(r, weakref.ref) else r for r in self._roots]
         roots = [r for r in roots if r is not None]
         if self._walks is None:
             return reached(roots)
-        return self._walks.reached(roots, self._fresh)
+        return self._walks.reach(roots, self._fresh)
 
     # -- non-reentrant -------------------------------------------------------------------------
 

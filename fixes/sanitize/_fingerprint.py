@@ -88,8 +88,11 @@ _ROW = 4096  # a large 1-D tensor's row length
 
 
 def tensors(outputs) -> list[torch.Tensor]:
-    if isinstance(outputs, torch.Tensor):  # the common case, without pytree's walk
+    if isinstance(outputs, torch.Tensor):  # the common cases, without pytree's walk
         return [outputs]
+    if type(outputs) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor)
+                                              for x in outputs):
+        return [t for t in outputs if t is not None]
     return [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
 
 

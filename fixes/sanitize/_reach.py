@@ -15,7 +15,11 @@ the detect tier's check of writes outside the region (``_detect``).
   then). A module holding a tensor the walk found that was freed since (an attribute rebound
   to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
   in the attributes the walk found tensors under (a tensor under another is a new plain
-  attribute: seen by the next fresh walk).
+  attribute: seen by the next fresh walk). A kept walk holds its tensors weakly, already
+  split as ``State`` reads them (``Reached``), and learns of a death by the weak reference's
+  callback: a region reads it with no call per module or tensor (megatron's layers each
+  reach the whole block's parameters; sorting them again per region was most of
+  ``values="none"``'s remaining host time, ``benchmarks._sanitize_megatron --profile``).
   ``fresh`` asks for a walk done in this round (the sanitizer asks for every region in
   ``values="all"``): at most one a round per set of modules. A fresh walk every round was
   the largest host cost of ``values="none"`` on megatron's MoE
@@ -23,7 +27,8 @@ the detect tier's check of writes outside the region (``_detect``).
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
-  copy per device, not a few per tensor; the others by version counter.
+  copy per device, not a few per tensor; the others by version counter, read in one pass
+  (``map``) at the recompute's start and end.
   ``any_changed``: every region of a backward compared in one pass per device, a 0-d device
   tensor true when some small tensor's bits changed (read after the backward's one
   synchronisation); only where it is set, ``changed_flags``: which regions (a second
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 import weakref
 from collections.abc import Iterator
 
@@ -44,7 +51,7 @@ from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
-__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "State", "Walks", "any_changed", "changed_flags",
+__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed", "changed_flags",
            "reached", "roots_of"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
@@ -55,6 +62,7 @@ _ATOMIC = (torch.nn.Module, type, str, bytes, int, float)
 _NOT_PLAIN = (torch.Tensor, *_ATOMIC, list, tuple)
 _WIDE = 64  # a container's first items walked
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
+_VERSION = operator.attrgetter("_version")
 
 
 def reached(roots) -> list[torch.Tensor]:
@@ -66,16 +74,104 @@ def reached(roots) -> list[torch.Tensor]:
     return list(tensors.values())
 
 
+class Reached:
+    """The tensors a region reaches, split as ``State`` reads them: ``small`` (non-parameter
+    tensors up to ``SMALL_STATE_BYTES``: compared by their bits, where still readable) and
+    ``versioned`` (every other strided one: compared by version counter)."""
+
+    __slots__ = ("small", "versioned")
+
+    def __init__(self, small: list[torch.Tensor], versioned: list[torch.Tensor]):
+        self.small, self.versioned = small, versioned
+
+    @classmethod
+    def of(cls, tensors) -> Reached:
+        small, versioned = [], []
+        for t in tensors:
+            if type(t) is not torch.nn.Parameter and t.numel() * t.element_size() \
+                    <= SMALL_STATE_BYTES:
+                small.append(t)
+            elif t.layout is torch.strided and not t.is_meta:
+                versioned.append(t)
+        return cls(small, versioned)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return itertools.chain(self.small, self.versioned)
+
+
+class _Kept:
+    """One kept walk of a set of modules: per (sub)module walked, the tensors found in it
+    (weakly, split as ``Reached``) and the attributes they were found under; the walk's round
+    and the registrations seen before it. A found tensor's death marks its module (a weak
+    reference's callback) for a rescan of that module alone; the others are read as kept, with
+    no call per module or tensor beyond dereferencing them."""
+
+    __slots__ = ("refs", "entries", "round", "registered", "dead", "small", "versioned", "ids",
+                 "__weakref__")
+
+    def __init__(self, modules, walked, round_: int, registered: int):
+        self.refs = [weakref.ref(m) for m in modules]
+        self.round, self.registered = round_, registered
+        self.dead: set[int] = set()  # entries a found tensor of which was freed
+        self.entries = [self._entry(i, sub, ts, names)
+                        for i, (sub, ts, names) in enumerate(walked)]
+        self._join()
+
+    def _entry(self, i: int, sub, tensors, names) -> list:
+        mark = functools.partial(_mark_dead, weakref.ref(self), i)
+        split = Reached.of(tensors)
+        return [weakref.ref(sub), [weakref.ref(t, mark) for t in split.small],
+                [weakref.ref(t, mark) for t in split.versioned], names]
+
+    def _join(self) -> None:
+        self.small = list(itertools.chain.from_iterable(e[1] for e in self.entries))
+        self.versioned = list(itertools.chain.from_iterable(e[2] for e in self.entries))
+        self.ids = None
+
+    def holds(self, modules: dict, fresh: bool, round_: int, registered: int) -> bool:
+        return (registered == self.registered and round_ - self.round < REWALK_ROUNDS
+                and not (fresh and self.round != round_)
+                and all(r() is m for r, m in zip(self.refs, modules.values(), strict=True)))
+
+    def read(self) -> tuple[Reached | None, int]:
+        """The kept tensors and how many modules were scanned again; None where a module gone
+        or a tensor freed unmarked makes a fresh walk the answer. A module whose tensor died is
+        scanned again, alone, in the attributes the walk found tensors under (megatron's token
+        dispatcher rebinds its routing state each forward; a tensor under another attribute is
+        a new plain attribute: the next fresh walk's)."""
+        rescanned = 0
+        if self.dead:
+            dead, self.dead = self.dead, set()
+            scan = _Scan()
+            for i in sorted(dead):
+                sub = self.entries[i][0]()
+                if sub is None:
+                    return None, rescanned
+                tensors, _ = scan.module(sub, self.entries[i][3])
+                self.entries[i] = self._entry(i, sub, tensors, self.entries[i][3])
+                rescanned += 1
+            self._join()
+        small = [r() for r in self.small]
+        versioned = [r() for r in self.versioned]
+        # a tensor freed since the marks were read (a callback on another thread): walk anew
+        if any(map(operator.is_, itertools.chain(small, versioned), itertools.repeat(None))):
+            return None, rescanned
+        return Reached(small, versioned), rescanned
+
+
+def _mark_dead(kept_ref, i: int, _ref) -> None:
+    kept = kept_ref()
+    if kept is not None:
+        kept.dead.add(i)
+
+
 class Walks:
     """The walks of modules, kept per set of modules (see the module docstring): the regions
     of one call site (megatron's layers, each checkpointed with the whole block in its closure)
     share one walk, for as long as it holds."""
 
     def __init__(self):
-        # module ids -> (the modules, weakly; per (sub)module walked: [it, the tensors found
-        # in it, weakly; the attributes they were found under]; the walk's round; the
-        # registrations seen before it)
-        self._kept: dict[tuple[int, ...], tuple[list, list[list], int, int]] = {}
+        self._kept: dict[tuple[int, ...], _Kept] = {}  # module ids -> their kept walk
         self._round = 0
         self._registered = 0  # parameters, buffers and modules registered while watching
         self._hooks: list | None = None
@@ -107,47 +203,31 @@ class Walks:
             for handle in hooks:
                 handle.remove()
 
-    def _kept_tensors(self, key: tuple[int, ...], modules: dict, fresh: bool):
-        """The kept walk's tensors, or None where it no longer holds. A module holding a
-        tensor that was freed (megatron's token dispatcher rebinds its routing state each
-        forward) is scanned again, alone: its attributes may hold another now."""
+    def reach(self, roots, fresh: bool) -> Reached:
+        """What ``roots`` reach: their own tensors, and their modules' from the kept walk (a
+        fresh one where it no longer holds)."""
+        tensors, modules = _roots(roots)
+        key = tuple(modules)
         kept = self._kept.get(key)
-        if kept is None:
-            return None
-        refs, walked, walked_round, registered = kept
-        if (registered != self._registered or self._round - walked_round >= REWALK_ROUNDS
-                or fresh and walked_round != self._round
-                or not all(r() is m for r, m in zip(refs, modules.values(), strict=True))):
-            return None
-        found: list[torch.Tensor] = []
-        scan = None
-        for entry in walked:
-            sub = entry[0]()
-            if sub is None:  # a module was freed: the tree changed
-                return None
-            tensors = [r() for r in entry[1]]
-            if any(t is None for t in tensors):
-                scan = scan or _Scan()
-                tensors, _ = scan.module(sub, entry[2])  # where the walk found tensors
-                entry[1] = [weakref.ref(t) for t in tensors]
-                self.rescanned += 1
-            found += tensors
+        found = None
+        if kept is not None and kept.holds(modules, fresh, self._round, self._registered):
+            found, rescanned = kept.read()
+            self.rescanned += rescanned
+        if found is None:
+            kept = self._kept[key] = _Kept(list(modules.values()), _walk(list(modules.values())),
+                                           self._round, self._registered)
+            self.walked += 1
+            found, _ = kept.read()
+        if tensors:  # the region's own tensors (its inputs), less those the walk found
+            if kept.ids is None:
+                kept.ids = set(map(id, found))
+            own = Reached.of([t for i, t in tensors.items() if i not in kept.ids])
+            found.small += own.small
+            found.versioned += own.versioned
         return found
 
     def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
-        tensors, modules = _roots(roots)
-        key = tuple(modules)
-        found = self._kept_tensors(key, modules, fresh)
-        if found is None:
-            walked = _walk(list(modules.values()))
-            self.walked += 1
-            self._kept[key] = ([weakref.ref(m) for m in modules.values()],
-                               [[weakref.ref(sub), [weakref.ref(t) for t in ts], names]
-                                for sub, ts, names in walked], self._round, self._registered)
-            found = [t for _, ts, _ in walked for t in ts]
-        for t in found:
-            tensors.setdefault(id(t), t)
-        return list(tensors.values())
+        return list(self.reach(roots, fresh))
 
 
 def _tensor(tensors: dict, t: torch.Tensor) -> None:
@@ -326,11 +406,6 @@ def _walk(modules: list[torch.nn.Module],
     return out
 
 
-def _small(t: torch.Tensor) -> bool:
-    return (not isinstance(t, torch.nn.Parameter) and t.numel() * t.element_size()
-            <= SMALL_STATE_BYTES and fp.readable(t))
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as a flat uint8 tensor (a copy only where ``t`` is not contiguous)."""
     return fp.bits(t).reshape(-1).view(torch.uint8)
@@ -339,20 +414,27 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class State:
     """The reached tensors as a recompute found them (see the module docstring)."""
 
-    def __init__(self, reached_tensors: list[torch.Tensor]):
+    def __init__(self, reached_tensors: Reached | list[torch.Tensor]):
+        found = (reached_tensors if isinstance(reached_tensors, Reached)
+                 else Reached.of(reached_tensors))
         self.small: list[torch.Tensor] = []
         self.metas: list[tuple] = []  # (shape, dtype) of each small tensor, as found
         self.snapshots: dict[torch.device, tuple[list[int], torch.Tensor]] = {}
-        self.versions: list[tuple[torch.Tensor, int]] = []
         self.declarations = _intended.entered()
+        versioned = found.versioned
         groups: dict[torch.device, list[int]] = {}
-        for t in reached_tensors:
-            if _small(t):
+        for t in found.small:
+            if fp.readable(t):
                 groups.setdefault(t.device, []).append(len(self.small))
                 self.small.append(t)
                 self.metas.append((t.shape, t.dtype))
-            elif t.layout is torch.strided and not t.is_meta:
-                self.versions.append((t, t._version))
+            elif t.layout is torch.strided and not t.is_meta:  # a released storage
+                versioned = [*versioned, t]
+        # the counters read in one pass each (no call per tensor: a kept walk reaches every
+        # parameter of megatron's block from each of its layers' regions)
+        self._versioned: list[torch.Tensor] | None = versioned
+        self._counts: list[int] | None = list(map(_VERSION, versioned))
+        self._settled: list[tuple[torch.Tensor, int]] = []
         # the byte views of the snapshot, kept (until the backward's end) for the comparison:
         # views of the same storage, read again then; made once, not twice per region. Each
         # tensor's data pointer with them: a tensor given another storage (``set_``, ``.data
@@ -363,6 +445,14 @@ class State:
             for device, indices in groups.items():  # a copy: one kernel per device
                 views = self._views[device] = [_bytes(self.small[i]) for i in indices]
                 self.snapshots[device] = (indices, torch.cat(views))
+
+    @property
+    def versions(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, its counter when the recompute began) for each tensor compared by counter:
+        all of them until ``settle``, after it those whose counter moved."""
+        if self._versioned is None:
+            return self._settled
+        return list(zip(self._versioned, self._counts, strict=True))
 
     def pairs(self) -> dict[torch.device, tuple[list[torch.Tensor], torch.Tensor] | None]:
         """Per device: the small tensors' byte views as they are now and the snapshot from
@@ -390,7 +480,13 @@ class State:
         until the backward's end (that raised the backward's peak by every checkpointed
         layer's input), and a write after the recompute (by the backward itself) is not
         taken for the recompute's."""
-        self.versions = [(t, v) for t, v in self.versions if t._version != v]
+        if self._versioned is None:
+            return
+        now = list(map(_VERSION, self._versioned))
+        if now != self._counts:
+            self._settled = [(t, v) for t, v, n in zip(self._versioned, self._counts, now,
+                                                       strict=True) if n != v]
+        self._versioned = self._counts = None
 
     def host_changed(self) -> bool:
         return any(t._version != v for t, v in self.versions)
