@@ -114,6 +114,15 @@ def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int) -> dic
     return result
 
 
+def by_dtype(stdout: str, dtypes: tuple[str, ...]) -> dict[str, dict]:
+    """A child's ``FUSED-PRINT`` line read back: one result per dtype, in the order asked
+    (ValueError without the line, or with another count)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("FUSED-PRINT ")]
+    if not lines:
+        raise ValueError("no FUSED-PRINT line in the child's output")
+    return dict(zip(dtypes, json.loads(lines[-1].split(" ", 1)[1]), strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fused_print")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")

@@ -291,3 +291,16 @@ def test_the_benchmarks_side_of_a_layer_is_printed_on_cpu():
     assert r.ok, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
     assert found["printed"] > 0 and found["fused_ms"] > 0 and not found["kernel_failed"]
+
+
+@pytest.mark.cpu
+def test_the_h200_benchs_one_child_answers_each_dtype_in_the_order_asked():
+    from benchmarks.fused_print import by_dtype as prints_by_dtype
+
+    out = 'noise\nFUSED-PRINT [{"dtype": "float32"}, {"dtype": "bfloat16"}]\n'
+    got = prints_by_dtype(out, ("fp32", "bf16"))
+    assert got == {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}}
+    with pytest.raises(ValueError, match="FUSED-PRINT"):
+        prints_by_dtype("the child died\n", ("fp32",))
+    with pytest.raises(ValueError):  # a dtype missing from the child's answer
+        prints_by_dtype('FUSED-PRINT [{"dtype": "float32"}]', ("fp32", "bf16"))
