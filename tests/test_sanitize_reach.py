@@ -280,21 +280,23 @@ def test_a_small_tensor_given_another_storage_is_seen_changed():
         assert [u for u, _ in state.changed()] == [t]
 
 
-def test_a_kept_walk_is_read_without_sorting_its_tensors_again(monkeypatch):
-    """A kept walk's tensors come split (small by bits, the others by counter) from the walk:
-    a region reading it sorts only its own arguments (every region of megatron's block reaches
-    every parameter of the block, and sorting them was most of ``values="none"``'s host time
-    a region)."""
+def test_a_kept_walks_parameters_are_read_without_sorting_them_again(monkeypatch):
+    """A kept walk's parameters come as compared by counter from the walk: a region reading it
+    sorts only the other tensors (buffers, attributes: few, and sorted anew because they may
+    have been resized or swapped) and its own arguments -- every region of megatron's block
+    reaches every parameter of the block, and sorting them was most of ``values="none"``'s
+    host time a region."""
     model = _model(_Config())
     walks = _reach.Walks()
     walks.reach([model], fresh=False)
-    sorted_counts: list[int] = []
+    sorted_ids: list[int] = []
     of = _reach.Reached.of.__func__
-    monkeypatch.setattr(_reach.Reached, "of",
-                        classmethod(lambda cls, ts: sorted_counts.append(len(ts)) or of(cls, ts)))
+    monkeypatch.setattr(_reach.Reached, "of", classmethod(
+        lambda cls, ts: sorted_ids.extend(map(id, ts)) or of(cls, ts)))
     arg = torch.ones(2)
     got = walks.reach([model, arg], fresh=False)
-    assert sorted_counts == [1]  # the argument alone
+    assert not {id(p) for p in model.parameters()} & set(sorted_ids)
+    assert id(arg) in sorted_ids
     assert {id(t) for t in got.versioned} == {id(p) for p in model.parameters()}
     assert {id(t) for t in got.small} == {id(t) for t in (arg, *model.buffers(),
                                                            model[0].config.table)}
@@ -322,3 +324,66 @@ def test_a_module_gone_with_its_dead_tensor_makes_the_walk_fresh():
         got = walks.reached([model], fresh=False)
     assert walks.walked == 2
     assert {id(t) for t in got} >= {id(p) for p in model.parameters()}
+
+
+def _kept_state(walks, model) -> _reach.State:
+    """A State from the kept walk (``fresh=False``: values="none" / "sampled")."""
+    return _reach.State(walks.reach([model], fresh=False))
+
+
+def test_a_kept_buffer_that_became_small_is_compared_by_its_bits():
+    """Sorted anew at each read: a buffer over ``SMALL_STATE_BYTES`` at the walk, swapped for a
+    small one (``.data =``) and then written without a counter bump (``.data``'s own counter,
+    as batch norm's statistics), is seen (a review of 5af0964: the kept class missed it)."""
+    model = torch.nn.Module()
+    model.register_buffer("stat", torch.zeros(_reach.SMALL_STATE_BYTES))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=True)
+        model.stat.data = torch.zeros(4)
+        state = _kept_state(walks, model)
+        with torch.no_grad():
+            model.stat.data.add_(1)
+    state.settle()
+    assert [bool(f) for f in state.flags()] == [True]
+    assert [t for t, _ in state.changed()] == [model.stat]
+
+
+def test_a_kept_buffer_that_grew_is_compared_by_counter_not_copied():
+    model = torch.nn.Module()
+    model.register_buffer("cache", torch.empty(0))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=True)
+        model.cache.resize_(_reach.SMALL_STATE_BYTES)  # 4x the small state's bound, in floats
+        state = _kept_state(walks, model)
+    assert state.small == [] and state.snapshots == {}
+    assert [t for t, _ in state.versions] == [model.cache]
+
+
+def test_a_parameter_materialised_from_meta_after_the_walk_is_compared():
+    model = torch.nn.Linear(2, 2, device="meta")
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=True)
+        model.to_empty(device="cpu")  # the same Parameter objects, given storage
+        state = _kept_state(walks, model)
+        with torch.no_grad():
+            model.weight.add_(1)
+    assert state.host_changed()
+
+
+def test_a_rescan_adds_no_tensor_twice():
+    """A rescanned module's parameters come back with the rescan; one another module also
+    holds (tied weights) must not then be compared, and reported, twice."""
+    emb, head = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    head.route = torch.zeros(2)
+    model = torch.nn.ModuleList([emb, head])
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        head.route = torch.ones(2)  # rebound: ``head`` is scanned again
+        got = list(walks.reach([model], fresh=False))
+    assert walks.rescanned == 1
+    assert len(got) == len({id(t) for t in got}) == 2

@@ -15,11 +15,14 @@ the detect tier's check of writes outside the region (``_detect``).
   then). A module holding a tensor the walk found that was freed since (an attribute rebound
   to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
   in the attributes the walk found tensors under (a tensor under another is a new plain
-  attribute: seen by the next fresh walk). A kept walk holds its tensors weakly, already
-  split as ``State`` reads them (``Reached``), and learns of a death by the weak reference's
-  callback: a region reads it with no call per module or tensor (megatron's layers each
-  reach the whole block's parameters; sorting them again per region was most of
-  ``values="none"``'s remaining host time, ``benchmarks._sanitize_megatron --profile``).
+  attribute: seen by the next fresh walk). A kept walk holds its tensors weakly, its
+  parameters kept as compared by counter (``Reached``) and every other tensor sorted anew at
+  each read (a buffer resized or swapped, a parameter materialised from meta since the walk),
+  and learns of a death by the weak reference's callback: a region reads it with no call per
+  module or parameter (megatron's layers each reach the whole block's parameters; sorting
+  them again per region was most of ``values="none"``'s remaining host time,
+  ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
+  alive elsewhere leaves them compared until the next fresh walk (more checked, none missed).
   ``fresh`` asks for a walk done in this round (the sanitizer asks for every region in
   ``values="all"``): at most one a round per set of modules. A fresh walk every round was
   the largest host cost of ``values="none"`` on megatron's MoE
@@ -101,12 +104,14 @@ class Reached:
 
 class _Kept:
     """One kept walk of a set of modules: per (sub)module walked, the tensors found in it
-    (weakly, split as ``Reached``) and the attributes they were found under; the walk's round
-    and the registrations seen before it. A found tensor's death marks its module (a weak
-    reference's callback) for a rescan of that module alone; the others are read as kept, with
-    no call per module or tensor beyond dereferencing them."""
+    (weakly) and the attributes they were found under; the walk's round and the registrations
+    seen before it. Its parameters (strided, not meta, at the walk: the bulk of it) are kept
+    as compared by counter; every other tensor found is sorted anew at each read (a buffer
+    resized or swapped since, a parameter materialised from meta, is read as it is now). A
+    found tensor's death marks its module (a weak reference's callback) for a rescan of that
+    module alone."""
 
-    __slots__ = ("refs", "entries", "round", "registered", "dead", "small", "versioned", "ids",
+    __slots__ = ("refs", "entries", "round", "registered", "dead", "params", "others", "ids",
                  "__weakref__")
 
     def __init__(self, modules, walked, round_: int, registered: int):
@@ -119,13 +124,16 @@ class _Kept:
 
     def _entry(self, i: int, sub, tensors, names) -> list:
         mark = functools.partial(_mark_dead, weakref.ref(self), i)
-        split = Reached.of(tensors)
-        return [weakref.ref(sub), [weakref.ref(t, mark) for t in split.small],
-                [weakref.ref(t, mark) for t in split.versioned], names]
+        params, others = [], []
+        for t in tensors:
+            counted = (type(t) is torch.nn.Parameter and t.layout is torch.strided
+                       and not t.is_meta)
+            (params if counted else others).append(weakref.ref(t, mark))
+        return [weakref.ref(sub), params, others, names]
 
     def _join(self) -> None:
-        self.small = list(itertools.chain.from_iterable(e[1] for e in self.entries))
-        self.versioned = list(itertools.chain.from_iterable(e[2] for e in self.entries))
+        self.params = list(itertools.chain.from_iterable(e[1] for e in self.entries))
+        self.others = list(itertools.chain.from_iterable(e[2] for e in self.entries))
         self.ids = None
 
     def holds(self, modules: dict, fresh: bool, round_: int, registered: int) -> bool:
@@ -151,12 +159,16 @@ class _Kept:
                 self.entries[i] = self._entry(i, sub, tensors, self.entries[i][3])
                 rescanned += 1
             self._join()
-        small = [r() for r in self.small]
-        versioned = [r() for r in self.versioned]
+        params = [r() for r in self.params]
+        others = [r() for r in self.others]
         # a tensor freed since the marks were read (a callback on another thread): walk anew
-        if any(map(operator.is_, itertools.chain(small, versioned), itertools.repeat(None))):
+        if any(map(operator.is_, itertools.chain(params, others), itertools.repeat(None))):
             return None, rescanned
-        return Reached(small, versioned), rescanned
+        if rescanned:  # a rescanned module's tensors may be another module's too (tied weights)
+            params, others = list(dict.fromkeys(params)), list(dict.fromkeys(others))
+        found = Reached.of(others)
+        found.versioned += params
+        return found, rescanned
 
 
 def _mark_dead(kept_ref, i: int, _ref) -> None:
@@ -421,15 +433,16 @@ class State:
         self.metas: list[tuple] = []  # (shape, dtype) of each small tensor, as found
         self.snapshots: dict[torch.device, tuple[list[int], torch.Tensor]] = {}
         self.declarations = _intended.entered()
-        versioned = found.versioned
+        released: list[torch.Tensor] = []  # small, storage released: by counter
         groups: dict[torch.device, list[int]] = {}
         for t in found.small:
             if fp.readable(t):
                 groups.setdefault(t.device, []).append(len(self.small))
                 self.small.append(t)
                 self.metas.append((t.shape, t.dtype))
-            elif t.layout is torch.strided and not t.is_meta:  # a released storage
-                versioned = [*versioned, t]
+            elif t.layout is torch.strided and not t.is_meta:
+                released.append(t)
+        versioned = found.versioned + released if released else found.versioned
         # the counters read in one pass each (no call per tensor: a kept walk reaches every
         # parameter of megatron's block from each of its layers' regions)
         self._versioned: list[torch.Tensor] | None = versioned
