@@ -387,3 +387,13 @@ def test_a_rescan_adds_no_tensor_twice():
         got = list(walks.reach([model], fresh=False))
     assert walks.rescanned == 1
     assert len(got) == len({id(t) for t in got}) == 2
+
+
+def test_a_fresh_walk_answers_even_when_its_read_finds_a_tensor_freed(monkeypatch):
+    """``_Kept.read`` answers None where a found tensor was freed unmarked (another Python
+    thread, between the marks and the read): right after a fresh walk that must fall back on
+    the walk itself, not fail."""
+    model = _model(_Config())
+    monkeypatch.setattr(_reach._Kept, "read", lambda self: (None, 0))
+    got = _reach.Walks().reach([model], fresh=True)
+    assert {id(t) for t in got.versioned} == {id(p) for p in model.parameters()}

@@ -226,10 +226,14 @@ class Walks:
             found, rescanned = kept.read()
             self.rescanned += rescanned
         if found is None:
-            kept = self._kept[key] = _Kept(list(modules.values()), _walk(list(modules.values())),
-                                           self._round, self._registered)
+            walked = _walk(list(modules.values()))
+            kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
+                                           self._registered)
             self.walked += 1
             found, _ = kept.read()
+            if found is None:  # a tensor freed by another thread in between: the walk itself
+                found = Reached.of([t for _, ts, _ in walked for t in ts])
+            del walked
         if tensors:  # the region's own tensors (its inputs), less those the walk found
             if kept.ids is None:
                 kept.ids = set(map(id, found))
