@@ -255,7 +255,8 @@ def test_a_backwards_regions_are_compared_in_one_pass_then_each_where_one_change
     tensors = [[torch.zeros(3), torch.ones(2, dtype=torch.int64)], [torch.zeros(5)],
                [torch.tensor([True]), torch.zeros(4, dtype=torch.bfloat16)]]
     states = [_reach.State(ts) for ts in tensors]
-    items = [(key, *state.pairs()[torch.device("cpu")]) for key, state in zip("abc", states, strict=True)]
+    items = [(key, *state.pairs()[torch.device("cpu")])
+             for key, state in zip("abc", states, strict=True)]
     assert [(k, bool(f)) for k, f in _reach.changed_flags(items)] == [
         ("a", False), ("b", False), ("c", False)]
     assert not bool(_reach.any_changed(items))
@@ -389,10 +390,10 @@ def test_a_rescan_adds_no_tensor_twice():
     assert len(got) == len({id(t) for t in got}) == 2
 
 
-def test_a_fresh_walk_answers_even_when_its_read_finds_a_tensor_freed(monkeypatch):
+def test_a_fresh_walk_answers_from_the_walk_not_from_a_read_of_it(monkeypatch):
     """``_Kept.read`` answers None where a found tensor was freed unmarked (another Python
-    thread, between the marks and the read): right after a fresh walk that must fall back on
-    the walk itself, not fail."""
+    thread, between the marks and the read); a fresh walk has the tensors in hand and must
+    not depend on reading them back."""
     model = _model(_Config())
     monkeypatch.setattr(_reach._Kept, "read", lambda self: (None, 0))
     got = _reach.Walks().reach([model], fresh=True)

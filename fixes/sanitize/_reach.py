@@ -54,8 +54,8 @@ from fixes.recompute import state as recompute_state
 from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
-__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed", "changed_flags",
-           "reached", "roots_of"]
+__all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
+           "changed_flags", "reached", "roots_of"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -225,15 +225,12 @@ class Walks:
         if kept is not None and kept.holds(modules, fresh, self._round, self._registered):
             found, rescanned = kept.read()
             self.rescanned += rescanned
-        if found is None:
+        if found is None:  # a fresh walk answers from itself: nothing of it to read back
             walked = _walk(list(modules.values()))
             kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
                                            self._registered)
             self.walked += 1
-            found, _ = kept.read()
-            if found is None:  # a tensor freed by another thread in between: the walk itself
-                found = Reached.of([t for _, ts, _ in walked for t in ts])
-            del walked
+            found = Reached.of([t for _, ts, _ in walked for t in ts])
         if tensors:  # the region's own tensors (its inputs), less those the walk found
             if kept.ids is None:
                 kept.ids = set(map(id, found))
