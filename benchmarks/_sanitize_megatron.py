@@ -12,10 +12,10 @@ within what two unsanitized steps differ by), then ``steps`` rounds of each mode
 ``TIMED_STEPS + 1`` steps: the mean of the last ``TIMED_STEPS`` is its time -- steps of a
 sanitizer left on, as a training run enters it once (``values="sampled"`` / ``"none"`` keep
 their walk of the modules from step to step, ``fixes.sanitize._reach.Walks``) -- and the
-first, which pays the entry and the first walk, is recorded beside it (``*_first_step_*``). Prints ``SANITIZE-MEGATRON {json}``: regions,
-tensors compared, detections, the fresh walks of the modules, the gradient distances, per mode
-the median step time and the median of the round-by-round ratios, each with every round
-(``*_repeats``).
+first, which pays the entry and the first walk, is recorded beside it (``*_first_step_*``).
+Prints ``SANITIZE-MEGATRON {json}``: regions, tensors compared, detections, the fresh walks of
+the modules, the gradient distances, per mode the median step time and the median of the
+round-by-round ratios, each with every round (``*_repeats``).
 
 Each round starts with the collector's young generations empty, what lived after the first
 steps frozen out of it (``gc.freeze``): a collection of the imports' million objects is then
@@ -187,27 +187,27 @@ def _profiled(step, name: str) -> pstats.Stats:
     return pstats.Stats(profiler)
 
 
-def induced(sanitized: pstats.Stats, plain: pstats.Stats) -> tuple[float, float]:
-    """(calls, own seconds) a step of ``sanitized`` makes beyond ``plain``'s: summed over the
-    functions called more often -- the sanitizer's, and torch's that it calls."""
-    calls = seconds = 0.0
-    for key, (_, n, tt, _, _) in sanitized.stats.items():
-        _, n0, tt0, _, _ = plain.stats.get(key, (0, 0, 0.0, 0.0, None))
-        if n > n0:
-            calls += n - n0
-            seconds += tt - tt0
-    return calls / PROFILED_STEPS, seconds / PROFILED_STEPS
-
-
-def induced_by_function(sanitized: pstats.Stats, plain: pstats.Stats, top: int = 40) -> str:
-    """The ``top`` functions ``sanitized`` calls more often than ``plain`` a step: extra calls
-    and extra own time each, most calls first."""
+def _extra(sanitized: pstats.Stats, plain: pstats.Stats) -> list[tuple[float, float, tuple]]:
+    """Per function ``sanitized`` calls more often than ``plain``: (extra calls, extra own
+    seconds) a step, and the function's key -- the sanitizer's, and torch's that it calls."""
     rows = []
     for key, (_, n, tt, _, _) in sanitized.stats.items():
         _, n0, tt0, _, _ = plain.stats.get(key, (0, 0, 0.0, 0.0, None))
         if n > n0:
             rows.append(((n - n0) / PROFILED_STEPS, (tt - tt0) / PROFILED_STEPS, key))
-    rows.sort(key=lambda r: -r[0])
+    return rows
+
+
+def induced(sanitized: pstats.Stats, plain: pstats.Stats) -> tuple[float, float]:
+    """(calls, own seconds) a step of ``sanitized`` makes beyond ``plain``'s (``_extra``
+    summed)."""
+    rows = _extra(sanitized, plain)
+    return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+
+def induced_by_function(sanitized: pstats.Stats, plain: pstats.Stats, top: int = 40) -> str:
+    """The ``top`` functions of ``_extra``, most extra calls first."""
+    rows = sorted(_extra(sanitized, plain), key=lambda r: -r[0])
     return "".join(f"{calls:9.0f} {seconds * 1e6:9.0f} us  {file}:{line}({name})\n"
                    for calls, seconds, (file, line, name) in rows[:top])
 
