@@ -113,6 +113,46 @@ def test_a_fresh_walk_is_done_once_a_round_for_one_set_of_modules():
     assert id(model[0].late) in {id(t) for t in walks.reached([model], fresh=True)}
 
 
+_CHANGES = {  # what a step may do to the modules between two rounds -> (the new tensor, walks)
+    "a new attribute": lambda m, t: setattr(m[0], "late", t),
+    "an attribute rebound, the old tensor kept": lambda m, t: setattr(m[0], "held", t),
+    "None replaced by a tensor": lambda m, t: setattr(m[2], "route", t),
+    "put into a dict attribute": lambda m, t: m[1].cache.__setitem__("k", t),
+    "put into a list attribute": lambda m, t: m[1].slots.__setitem__(0, t),
+    "put into a dict inside a dict": lambda m, t: m[1].cache["inner"].__setitem__("k", t),
+    "rebound on the shared plain object": lambda m, t: setattr(m[0].config, "table", t),
+    # the module the walk went into the shared object through lets go of it: what it holds is
+    # still another module's (a fresh walk: that module never went into it)
+    "the shared object dropped by its first holder": lambda m, t: (
+        delattr(m[0], "config"), setattr(m[1].config, "table", t)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, change):
+    """``values="all"`` (fresh=True): a round's first region checks the kept walk -- each
+    module's attributes and the members of every object the walk went into, by identity --
+    instead of walking again (two walks of megatron's GPT+MTP block a step were the largest
+    part of ``all``'s host time on the H200), and finds what a fresh walk would."""
+    calls = _counting(monkeypatch)
+    model = _model(_Config())
+    model[1].cache, model[1].slots, model[2].route = {"inner": {}}, [None], None
+    old = model[0].held = torch.ones(2)
+    walks = _reach.Walks()
+    with walks.watching():
+        first = {id(t) for t in walks.reached([model], fresh=True)}
+        walks.new_round()
+        assert {id(t) for t in walks.reached([model], fresh=True)} == first
+        assert len(calls) == 1  # nothing changed: no walk
+        new = torch.full((3,), 7.0)
+        _CHANGES[change](model, new)
+        walks.new_round()
+        got = {id(t) for t in walks.reached([model], fresh=True)}
+    assert len(calls) == (2 if change.startswith("the shared object dropped") else 1)
+    assert got == {id(t) for t in _reach.reached([model])}
+    assert id(new) in got and old is not None
+
+
 def _counting(monkeypatch) -> list:
     calls = []
     walk = _reach._walk

@@ -16,9 +16,10 @@ Per region (a ``Watch``):
   the parameters, buffers and tensor attributes of the modules its function and arguments
   hold) -- small non-parameter ones by their contents before and after (batch norm updates its
   running statistics without bumping their version counter), the others by version counter
-  (``_reach``: the walk of the modules is done anew once a step in ``all``; in the other
-  modes it is kept while no parameter, buffer or module is registered and none it found is
-  freed, for at most ``REWALK_ROUNDS`` steps).
+  (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
+  registered, for at most ``REWALK_ROUNDS`` steps; in ``all`` checked once a step against the
+  modules' attributes by identity, so it finds what a fresh walk would; in the other modes a
+  module is scanned again when a tensor found in it is freed).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
 object that is no module), a rebound Python attribute, state outside tensors (a communicator

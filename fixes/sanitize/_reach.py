@@ -23,10 +23,14 @@ the detect tier's check of writes outside the region (``_detect``).
   them again per region was most of ``values="none"``'s remaining host time,
   ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
   alive elsewhere leaves them compared until the next fresh walk (more checked, none missed).
-  ``fresh`` asks for a walk done in this round (the sanitizer asks for every region in
-  ``values="all"``): at most one a round per set of modules. A fresh walk every round was
-  the largest host cost of ``values="none"`` on megatron's MoE
-  (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``).
+  ``fresh`` (the sanitizer asks it for every region in ``values="all"``) asks for a walk
+  that finds what a fresh one would: once a round per set of modules the kept walk is
+  checked instead of walked again -- each module's attributes, and the members of every
+  object the walk went into, by identity (``_shape``); a module that differs is scanned
+  again alone, one that let go of an object it was the walk's way into makes a fresh walk.
+  A fresh walk every round was the largest host cost of ``values="none"`` on megatron's MoE
+  (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``), and, two walks
+  of megatron's GPT+MTP block a step, of ``values="all"`` on the H200.
 * ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
   their bits (batch norm updates its running statistics without bumping their version
   counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
@@ -111,25 +115,28 @@ class _Kept:
     found tensor's death marks its module (a weak reference's callback) for a rescan of that
     module alone."""
 
-    __slots__ = ("refs", "entries", "round", "registered", "dead", "params", "others", "ids",
-                 "__weakref__")
+    __slots__ = ("refs", "entries", "round", "checked", "registered", "dead", "params",
+                 "others", "ids", "rescanned", "__weakref__")
 
     def __init__(self, modules, walked, round_: int, registered: int):
         self.refs = [weakref.ref(m) for m in modules]
-        self.round, self.registered = round_, registered
+        self.round = self.checked = round_  # the walk's round; the last round it was checked
+        self.registered = registered
         self.dead: set[int] = set()  # entries a found tensor of which was freed
-        self.entries = [self._entry(i, sub, ts, names)
+        self.rescanned = 0  # modules scanned again by ``check`` (``Walks.rescanned`` reads it)
+        seen: set[int] = set()
+        self.entries = [self._entry(i, sub, ts, names, _shape(sub, seen))
                         for i, (sub, ts, names) in enumerate(walked)]
         self._join()
 
-    def _entry(self, i: int, sub, tensors, names) -> list:
+    def _entry(self, i: int, sub, tensors, names, shape) -> list:
         mark = functools.partial(_mark_dead, weakref.ref(self), i)
         params, others = [], []
         for t in tensors:
             counted = (type(t) is torch.nn.Parameter and t.layout is torch.strided
                        and not t.is_meta)
             (params if counted else others).append(weakref.ref(t, mark))
-        return [weakref.ref(sub), params, others, names]
+        return [weakref.ref(sub), params, others, names, shape]
 
     def _join(self) -> None:
         self.params = list(itertools.chain.from_iterable(e[1] for e in self.entries))
@@ -138,8 +145,33 @@ class _Kept:
 
     def holds(self, modules: dict, fresh: bool, round_: int, registered: int) -> bool:
         return (registered == self.registered and round_ - self.round < REWALK_ROUNDS
-                and not (fresh and self.round != round_)
-                and all(r() is m for r, m in zip(self.refs, modules.values(), strict=True)))
+                and all(r() is m for r, m in zip(self.refs, modules.values(), strict=True))
+                and (not fresh or self.checked == round_ or self.check(round_)))
+
+    def check(self, round_: int) -> bool:
+        """Whether a fresh walk would find what this one did, found without walking: each
+        (sub)module's attributes and the members of every object the walk went into compared
+        by identity with the walk's (``_shape``); a module that differs is scanned again,
+        alone. False (walk anew) where a module is gone, or one let go of an object it was
+        the walk's way into (another module holding it was never walked into it)."""
+        seen: set[int] = set()
+        for i, entry in enumerate(self.entries):
+            sub = entry[0]()
+            if sub is None:
+                return False
+            if _shape_holds(sub, entry[4]):
+                seen.update(c[1] for c in entry[4][2])
+                continue
+            shape = _shape(sub, seen)
+            if not {c[1] for c in entry[4][2]} <= {c[1] for c in shape[2]}:
+                return False
+            tensors, names = _Scan().module(sub)
+            self.entries[i] = self._entry(i, sub, tensors, names, shape)
+            self.dead.discard(i)
+            self.rescanned += 1
+        self._join()
+        self.checked = round_
+        return True
 
     def read(self) -> tuple[Reached | None, int]:
         """The kept tensors and how many modules were scanned again; None where a module gone
@@ -156,7 +188,7 @@ class _Kept:
                 if sub is None:
                     return None, rescanned
                 tensors, _ = scan.module(sub, self.entries[i][3])
-                self.entries[i] = self._entry(i, sub, tensors, self.entries[i][3])
+                self.entries[i] = self._entry(i, sub, tensors, *self.entries[i][3:])
                 rescanned += 1
             self._join()
         params = [r() for r in self.params]
@@ -224,7 +256,8 @@ class Walks:
         found = None
         if kept is not None and kept.holds(modules, fresh, self._round, self._registered):
             found, rescanned = kept.read()
-            self.rescanned += rescanned
+            self.rescanned += rescanned + kept.rescanned
+            kept.rescanned = 0
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
             walked = _walk(list(modules.values()))
             kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
@@ -404,6 +437,53 @@ def _fields(value) -> dict | None:
         return None
     fields = getattr(value, "__dict__", None)
     return fields if isinstance(fields, dict) else None
+
+
+def _members(value):
+    """What the walk goes through in ``value``: a list's or tuple's items, a dict's values, a
+    plain object's fields; None for anything else (a tensor, a module, an atomic value)."""
+    if isinstance(value, (list, tuple)):
+        return value
+    fields = _fields(value)
+    return None if fields is None else fields.values()
+
+
+def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
+    """What a walk of ``sub`` depends on, by identity: its attributes' names and values, and
+    per object among them the walk goes into (not in ``seen``: another module's way into it)
+    its members, and those of the objects among its members. Equal shapes: a walk finds the
+    same tensors (those it finds are held by what is compared, so no identity is reused)."""
+    attributes = sub.__dict__
+    into = []
+    for name, value in attributes.items():
+        if value is None or isinstance(value, _ATOMIC) or name.startswith("_"):
+            continue
+        members = _members(value)
+        if members is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        members = tuple(members)
+        inner = tuple((k, tuple(m)) for k, x in enumerate(members)
+                      if not isinstance(x, _ATOMIC) and id(x) not in seen
+                      and (m := _members(x)) is not None)
+        into.append((name, id(value), tuple(map(id, members)), inner))
+    return tuple(attributes), tuple(map(id, attributes.values())), tuple(into)
+
+
+def _shape_holds(sub: torch.nn.Module, shape: tuple) -> bool:
+    """``sub`` as ``_shape`` found it (one pass over its attributes and the objects it was the
+    walk's way into: no walk)."""
+    attributes = sub.__dict__
+    if (tuple(map(id, attributes.values())) != shape[1] or tuple(attributes) != shape[0]):
+        return False
+    for name, _, ids, inner in shape[2]:
+        members = tuple(_members(attributes[name]))
+        if tuple(map(id, members)) != ids:
+            return False
+        for k, inner_ids in inner:
+            if tuple(map(id, _members(members[k]))) != inner_ids:
+                return False
+    return True
 
 
 def _walk(modules: list[torch.nn.Module],

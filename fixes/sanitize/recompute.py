@@ -133,8 +133,8 @@ class RecomputeSanitizer:
 
     @property
     def module_walks(self) -> int:
-        """Fresh walks of the regions' modules (``_reach.Walks``: ``all`` once a step per set
-        of modules; the other modes while the walk holds)."""
+        """Fresh walks of the regions' modules (``_reach.Walks``: a walk is kept while it
+        holds; ``all`` checks it once a step per set of modules)."""
         return self._walks.walked
 
     def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
