@@ -136,14 +136,14 @@ def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, ch
     part of ``all``'s host time on the H200), and finds what a fresh walk would."""
     calls = _counting(monkeypatch)
     model = _model(_Config())
-    model[1].cache, model[1].slots, model[2].route = {"inner": {}}, [None], None
+    model[1].cache, model[1].slots, model[2].route = {"inner": {"n": 1.5}}, [None], None
     old = model[0].held = torch.ones(2)
     walks = _reach.Walks()
     with walks.watching():
         first = {id(t) for t in walks.reached([model], fresh=True)}
         walks.new_round()
         assert {id(t) for t in walks.reached([model], fresh=True)} == first
-        assert len(calls) == 1  # nothing changed: no walk
+        assert len(calls) == 1 and walks.rescanned == 0  # nothing changed: no walk, no scan
         new = torch.full((3,), 7.0)
         _CHANGES[change](model, new)
         walks.new_round()

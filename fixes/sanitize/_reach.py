@@ -463,7 +463,7 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
             continue
         seen.add(id(value))
         members = tuple(members)
-        inner = tuple((k, tuple(m)) for k, x in enumerate(members)
+        inner = tuple((k, tuple(map(id, m))) for k, x in enumerate(members)
                       if not isinstance(x, _ATOMIC) and id(x) not in seen
                       and (m := _members(x)) is not None)
         into.append((name, id(value), tuple(map(id, members)), inner))
