@@ -153,6 +153,30 @@ def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, ch
     assert id(new) in got and old is not None
 
 
+def test_a_checked_walk_reads_again_only_what_changed(monkeypatch):
+    """megatron's token dispatcher, a plain object of its MoE layer holding the config every
+    module holds, rebinds its routing tensors every forward: the check reads the dispatcher
+    again, not the config's hundreds of fields (that was most of a check on the H200)."""
+    config = _Config()
+    model = _model(config)
+    model[1].dispatcher = types.SimpleNamespace(config=config, routing=torch.zeros(2))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=True)
+        reads = []
+        attribute = _reach._Scan._attribute
+        monkeypatch.setattr(_reach._Scan, "_attribute",
+                            lambda self, value, depth: reads.append(1) or
+                            attribute(self, value, depth))
+        for _ in range(3):
+            routing = model[1].dispatcher.routing = torch.ones(2)
+            walks.new_round()
+            got = {id(t) for t in walks.reached([model], fresh=True)}
+            assert id(routing) in got and id(config.table) in got
+    assert walks.walked == 1 and walks.rescanned == 3
+    assert len(reads) <= 3 * 4  # the dispatcher and its fields, not the config's
+
+
 def _counting(monkeypatch) -> list:
     calls = []
     walk = _reach._walk

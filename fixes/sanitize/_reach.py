@@ -151,26 +151,53 @@ class _Kept:
     def check(self, round_: int) -> bool:
         """Whether a fresh walk would find what this one did, found without walking: each
         (sub)module's attributes and the members of every object the walk went into compared
-        by identity with the walk's (``_shape``); a module that differs is scanned again,
-        alone. False (walk anew) where a module is gone, or one let go of an object it was
-        the walk's way into (another module holding it was never walked into it)."""
-        seen: set[int] = set()
-        for i, entry in enumerate(self.entries):
+        by identity with the walk's (``_shape``); where some differ, those attributes alone
+        are scanned again (megatron's token dispatcher, a plain object of its MoE layer,
+        rebinds its routing tensors every forward; the config beside it is not read again).
+        False (walk anew) where a module is gone, or one let go of an object it was the
+        walk's way into (another module holding it was never walked into it)."""
+        changes = []
+        for entry in self.entries:
             sub = entry[0]()
             if sub is None:
                 return False
-            if _shape_holds(sub, entry[4]):
-                seen.update(c[1] for c in entry[4][2])
-                continue
-            shape = _shape(sub, seen)
-            if not {c[1] for c in entry[4][2]} <= {c[1] for c in shape[2]}:
-                return False
-            tensors, names = _Scan().module(sub)
-            self.entries[i] = self._entry(i, sub, tensors, names, shape)
-            self.dead.discard(i)
-            self.rescanned += 1
-        self._join()
+            changes.append(_changed(sub, entry[4]))
+        if any(changes):
+            seen = {i for entry, names in zip(self.entries, changes, strict=True)
+                    for c in entry[4][2] if c[0] not in names for i in _ids_into(c)}
+            for i, names in enumerate(changes):
+                if names and not self._rescan(i, names, seen):
+                    return False
+            self._join()
         self.checked = round_
+        return True
+
+    def _rescan(self, i: int, names: set[str], seen: set[int]) -> bool:
+        """Entry ``i`` with its attributes ``names`` scanned again, whole (the others where
+        the walk found tensors under them); False where it let go of an object it was the
+        walk's way into."""
+        sub, shape = self.entries[i][0](), self.entries[i][4]
+        kept = tuple(c for c in shape[2] if c[0] not in names)
+        into = kept + _into(sub, set(seen), names)
+        if not {c[1] for c in shape[2]} <= {c[1] for c in into}:
+            return False
+        held = dict(self.entries[i][3])
+        attributes = sub.__dict__
+        for name in names:
+            if name.startswith("_"):
+                continue
+            value = attributes.get(name)
+            if value is None or isinstance(value, _ATOMIC):
+                held.pop(name, None)  # nothing there now
+            else:
+                held[name] = None  # read whole
+        scan = _Scan()  # what other entries went into is theirs; this one's own is read
+        scan.seen.update(seen.difference(i for c in kept for i in _ids_into(c)))
+        tensors, found = scan.module(sub, tuple(held.items()))
+        shape = (tuple(attributes), tuple(map(id, attributes.values())), into)
+        self.entries[i] = self._entry(i, sub, tensors, found, shape)
+        self.dead.discard(i)
+        self.rescanned += 1
         return True
 
     def read(self) -> tuple[Reached | None, int]:
@@ -454,8 +481,17 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
     its members, and those of the objects among its members. Equal shapes: a walk finds the
     same tensors (those it finds are held by what is compared, so no identity is reused)."""
     attributes = sub.__dict__
+    return tuple(attributes), tuple(map(id, attributes.values())), _into(sub, seen)
+
+
+def _into(sub: torch.nn.Module, seen: set[int], names=None) -> tuple:
+    """``_shape``'s objects the walk goes into, from ``sub``'s attributes (``names`` only,
+    where given): ``(name, id, its members' ids, ((position, id, members' ids) of the objects
+    among its members, ...))`` each."""
     into = []
-    for name, value in attributes.items():
+    attributes = sub.__dict__
+    for name in (attributes if names is None else [n for n in attributes if n in names]):
+        value = attributes[name]
         if value is None or isinstance(value, _ATOMIC) or name.startswith("_"):
             continue
         members = _members(value)
@@ -463,27 +499,38 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
             continue
         seen.add(id(value))
         members = tuple(members)
-        inner = tuple((k, tuple(map(id, m))) for k, x in enumerate(members)
+        inner = tuple((k, id(x), tuple(map(id, m))) for k, x in enumerate(members)
                       if not isinstance(x, _ATOMIC) and id(x) not in seen
                       and (m := _members(x)) is not None)
         into.append((name, id(value), tuple(map(id, members)), inner))
-    return tuple(attributes), tuple(map(id, attributes.values())), tuple(into)
+    return tuple(into)
 
 
-def _shape_holds(sub: torch.nn.Module, shape: tuple) -> bool:
-    """``sub`` as ``_shape`` found it (one pass over its attributes and the objects it was the
-    walk's way into: no walk)."""
+def _ids_into(record: tuple) -> Iterator[int]:
+    """The ids of the objects one ``_into`` record went into."""
+    yield record[1]
+    for _, i, _ in record[3]:
+        yield i
+
+
+def _changed(sub: torch.nn.Module, shape: tuple) -> set[str]:
+    """The names of ``sub``'s attributes not as ``_shape`` found them: rebound, added or
+    removed, or an object the walk went into through them holding other members. Empty: a
+    walk of ``sub`` finds what it found (one pass, no walk)."""
     attributes = sub.__dict__
-    if (tuple(map(id, attributes.values())) != shape[1] or tuple(attributes) != shape[0]):
-        return False
+    names: set[str] = set()
+    if tuple(attributes) != shape[0] or tuple(map(id, attributes.values())) != shape[1]:
+        before = dict(zip(shape[0], shape[1], strict=True))
+        names.update(n for n, v in attributes.items() if before.get(n) != id(v))
+        names.update(n for n in before if n not in attributes)
     for name, _, ids, inner in shape[2]:
+        if name in names:
+            continue
         members = tuple(_members(attributes[name]))
-        if tuple(map(id, members)) != ids:
-            return False
-        for k, inner_ids in inner:
-            if tuple(map(id, _members(members[k]))) != inner_ids:
-                return False
-    return True
+        if tuple(map(id, members)) != ids or any(
+                tuple(map(id, _members(members[k]))) != inner_ids for k, _, inner_ids in inner):
+            names.add(name)
+    return names
 
 
 def _walk(modules: list[torch.nn.Module],
