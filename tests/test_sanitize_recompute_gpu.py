@@ -72,3 +72,50 @@ def test_fused_attention_regions_are_no_false_positive(values, dtype):
         for _ in range(2):
             checkpoint(attention, q, k, v, use_reentrant=False).sum().backward()
     assert sanitizer.recomputes == 2 and sanitizer.detections == 0
+
+
+def _synchronising_calls(step) -> int:
+    """How many host synchronisations ``step()`` makes (torch's sync debug mode warns on each)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("values", ["all", "sampled", "none"])
+def test_the_detect_tier_synchronises_at_most_once_a_backward(values, reentrant):
+    """The detect tier keeps every region's flags on the device until the backward's end: one
+    host synchronisation a backward at most, none per region or per tensor, none in the
+    forward (measured on megatron's MoE GPT on the H200: 85 synchronising calls a step
+    unsanitized, 86 sanitized in ``none`` and ``all``)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4)).cuda()
+    for layer in layers:  # small state each region reaches (compared by its bits)
+        layer.register_buffer("seen", torch.zeros(8, device="cuda"))
+    x = torch.randn(64, 256, device="cuda", generator=g, requires_grad=True)
+
+    def region(layer):  # the layer in the function's closure: its buffer is reached
+        return lambda t: torch.nn.functional.gelu(layer(t))
+
+    def step():
+        h = x
+        for layer in layers:
+            h = checkpoint(region(layer), h, use_reentrant=reentrant)
+        h.sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    plain = _synchronising_calls(step)
+    with recompute_sanitizer(values=values) as sanitizer:
+        step()  # the first: the kernel's build, the walk
+        torch.cuda.synchronize()
+        sanitized = _synchronising_calls(step)
+    assert sanitizer.recomputes == 8 and sanitizer.detections == 0
+    assert sanitized - plain <= 1, (plain, sanitized)
