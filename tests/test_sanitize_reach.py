@@ -462,3 +462,47 @@ def test_a_fresh_walk_answers_from_the_walk_not_from_a_read_of_it(monkeypatch):
     monkeypatch.setattr(_reach._Kept, "read", lambda self: (None, 0))
     got = _reach.Walks().reach([model], fresh=True)
     assert {id(t) for t in got.versioned} == {id(p) for p in model.parameters()}
+
+
+def test_a_module_scanned_again_every_round_is_read_apart_not_joined_again(monkeypatch):
+    """megatron's token dispatcher rebinds its routing tensors every forward, so its module is
+    scanned again at every read; the walk's flat lists (the block's parameters) are joined
+    again once, when it is first scanned, not at every read (that join and the dedupe after
+    it were most of a region's read on megatron's MoE), and what a read finds is unchanged:
+    each tensor once, the rebound one and the region's own arguments among them."""
+    model = _model(_Config())
+    model[1].route = torch.zeros(2)
+    joins = []
+    join = _reach._Kept._join
+    monkeypatch.setattr(_reach._Kept, "_join", lambda self: joins.append(1) or join(self))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        for k in range(5):
+            model[1].route = torch.full((2,), float(k))  # the old one freed: a rescan
+            arg = torch.ones(3)
+            for roots in ([model, arg], [model, arg, model[1].route]):
+                ids = [id(t) for t in walks.reach(roots, fresh=False)]
+                assert len(ids) == len(set(ids))
+                assert {id(model[1].route), id(arg)} <= set(ids)
+                assert {id(p) for p in (*model.parameters(), *model.buffers())} <= set(ids)
+    assert walks.walked == 1 and walks.rescanned == 5
+    assert len(joins) == 2  # the walk's, and the first rescan's
+
+
+def test_a_walk_kept_for_none_or_sampled_keeps_no_shape(monkeypatch):
+    """``_shape`` is what ``check`` (values="all") compares: a walk for the other modes does
+    not compute it; asked fresh, such a walk is walked anew (with it)."""
+    calls = []
+    shape = _reach._shape
+    monkeypatch.setattr(_reach, "_shape", lambda *a: calls.append(1) or shape(*a))
+    model = _model(_Config())
+    walks = _reach.Walks()
+    walks.reach([model], fresh=False)
+    walks.new_round()
+    walks.reach([model], fresh=False)
+    assert calls == [] and walks.walked == 1
+    walks.new_round()
+    got = walks.reach([model], fresh=True)
+    assert calls and walks.walked == 2
+    assert {id(p) for p in model.parameters()} <= {id(t) for t in got}

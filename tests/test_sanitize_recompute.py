@@ -880,3 +880,40 @@ def test_a_reentrant_region_no_input_of_which_requires_grad_is_named_at_its_forw
     assert caught.value.verdict == "never recomputed"
     with torch.no_grad(), recompute_sanitizer(values=values):  # grad off: nothing to recompute
         checkpoint(layer, x, use_reentrant=True)
+
+
+def test_a_backward_flushes_its_checks_once_whatever_its_regions(monkeypatch):
+    """Each recompute's check is queued for the end of its backward; one callback flushes them
+    all (four regions: one flush, not four), and a backward that failed before its callbacks
+    ran leaves its checks to the next backward's flush."""
+    from fixes.sanitize.recompute import RecomputeSanitizer
+
+    flushed = []
+    flush = RecomputeSanitizer._flush
+    monkeypatch.setattr(RecomputeSanitizer, "_flush",
+                        lambda self: flushed.append(len(self._pending)) or flush(self))
+    layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+
+    def forward(x):
+        for layer in layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x.sum()
+
+    with recompute_sanitizer(values="none") as sanitizer:
+        forward(torch.randn(2, 4, requires_grad=True)).backward()
+        assert flushed == [4] and sanitizer.recomputes == 4
+
+        class Fail(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                raise RuntimeError("a failing backward")
+
+        y = forward(Fail.apply(torch.randn(2, 4, requires_grad=True)))
+        with pytest.raises(RuntimeError, match="a failing backward"):
+            y.backward()
+        forward(torch.randn(2, 4, requires_grad=True)).backward()
+    assert flushed[0] == 4 and sum(flushed) == 12 and sanitizer.recomputes == 12

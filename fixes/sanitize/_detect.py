@@ -38,6 +38,7 @@ unlocated error at once.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ from fixes.sanitize._errors import Verdict
 from fixes.sanitize._reach import Reached, State, Walks, reached
 
 __all__ = ["Detection", "Watch"]
+
+_METADATA = operator.attrgetter("shape", "dtype", "device")
 
 
 @dataclass(slots=True)
@@ -92,7 +95,7 @@ class _Side:
 
 
 def _side(tensors: list[torch.Tensor], printed: bool, tolerant: bool) -> _Side:
-    side = _Side([(tuple(t.shape), t.dtype, t.device.type) for t in tensors])
+    side = _Side(list(map(_METADATA, tensors)))  # compared whole: shape, dtype, device
     if printed:  # one kernel per device (``_fused``)
         cuda = any(t.device.type == "cuda" for t in tensors)
         side.prints, side.loose = _fused.prints(
@@ -289,25 +292,29 @@ class Watch:
 
     def _shape_difference(self, tensors, stopped) -> tuple[Detection | None, _Side | None]:
         forward = self.forward
-        what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
-        noun = "output" if self.reentrant else "saved tensor"
-        if self.reentrant:
-            self.stats.outputs_compared += len(tensors)
-        else:
-            self.stats.saved_compared += len(tensors)
         n_f, n_r = len(forward.metas), len(tensors)
+        if self.reentrant:
+            self.stats.outputs_compared += n_r
+        else:
+            self.stats.saved_compared += n_r
+        noun = "output" if self.reentrant else "saved tensor"
         if n_r != n_f and (self.reentrant or (n_r < n_f and not stopped)):
             verdict = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_COUNT
             return Detection(self.name(), self.site, verdict, f"the {noun}s",
                              f"the forward made {n_f} {noun}s, the recompute {n_r}",
                              fatal=True), None
-        tensors = tensors[:n_f]
+        if n_r > n_f:
+            tensors = tensors[:n_f]
         recompute = _side(tensors, self.printed, forward.loose is not None)
-        self.stats.fingerprints += len(tensors) if self.printed else 0
-        for i, (a, b) in enumerate(zip(forward.metas, recompute.metas, strict=False)):
-            if a != b:
-                return Detection(self.name(), self.site, what, f"{noun} #{i} of {n_f}",
-                                 f"forward {_meta(a)}, recompute {_meta(b)}", fatal=True), None
+        if self.printed:
+            self.stats.fingerprints += len(tensors)
+        if recompute.metas != forward.metas[:len(recompute.metas)]:  # one comparison: equal
+            for i, (a, b) in enumerate(zip(forward.metas, recompute.metas, strict=False)):
+                if a != b:
+                    what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
+                    return Detection(self.name(), self.site, what, f"{noun} #{i} of {n_f}",
+                                     f"forward {_meta(a)}, recompute {_meta(b)}",
+                                     fatal=True), None
         return None, recompute
 
     def _value_difference(self, recompute: _Side, state: State | None) -> Detection | None:
@@ -390,26 +397,27 @@ class _Check:
         """The value prints' flags (the small state's are the sanitizer's, every check of the
         backward in one pass: ``_reach.any_changed``)."""
         out: list[torch.Tensor] = []
+        if not self.watch.printed or self.watch.forward is None:
+            return out
         with torch.no_grad(), torch._C._DisableTorchDispatch():
-            if self.watch.printed and self.watch.forward is not None:
-                a_all, b_all = [], []
-                for a, b in _pairs(self.watch.forward.prints, self.recompute.prints):
-                    if a is None:
-                        continue
-                    if a.shape() != b.shape() or a.device != b.device:
-                        out.append(torch.tensor(True))
-                        continue
-                    a_all += a.exact
-                    b_all += b.exact
-                    a_all += a.approx
-                    b_all += b.approx
-                by_device: dict = {}
-                for x, y in zip(a_all, b_all, strict=True):
-                    by_device.setdefault(x.device, ([], []))
-                    by_device[x.device][0].append(x)
-                    by_device[x.device][1].append(y)
-                for xs, ys in by_device.values():
-                    out.append((torch.stack(xs) != torch.stack(ys)).any())
+            a_all, b_all = [], []
+            for a, b in _pairs(self.watch.forward.prints, self.recompute.prints):
+                if a is None:
+                    continue
+                if a.shape() != b.shape() or a.device != b.device:
+                    out.append(torch.tensor(True))
+                    continue
+                a_all += a.exact
+                b_all += b.exact
+                a_all += a.approx
+                b_all += b.approx
+            by_device: dict = {}
+            for x, y in zip(a_all, b_all, strict=True):
+                by_device.setdefault(x.device, ([], []))
+                by_device[x.device][0].append(x)
+                by_device[x.device][1].append(y)
+            for xs, ys in by_device.values():
+                out.append((torch.stack(xs) != torch.stack(ys)).any())
         return out
 
     def finish(self) -> None:

@@ -15,10 +15,11 @@ the detect tier's check of writes outside the region (``_detect``).
   then). A module holding a tensor the walk found that was freed since (an attribute rebound
   to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
   in the attributes the walk found tensors under (a tensor under another is a new plain
-  attribute: seen by the next fresh walk). A kept walk holds its tensors weakly, its
-  parameters kept as compared by counter (``Reached``) and every other tensor sorted anew at
-  each read (a buffer resized or swapped, a parameter materialised from meta since the walk),
-  and learns of a death by the weak reference's callback: a region reads it with no call per
+  attribute: seen by the next fresh walk), and read apart from the others from then on (its
+  rescan every round does not join the walk's lists again). A kept walk holds its tensors
+  weakly, its parameters kept as compared by counter (``Reached``) and every other tensor
+  sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
+  since the walk), and learns of a death by the weak reference's callback: a region reads it with no call per
   module or parameter (megatron's layers each reach the whole block's parameters; sorting
   them again per region was most of ``values="none"``'s remaining host time,
   ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
@@ -68,8 +69,15 @@ _ATOMIC = (torch.nn.Module, type, str, bytes, int, float)
 # what is no plain object or dict (a rescan reads the whole of it)
 _NOT_PLAIN = (torch.Tensor, *_ATOMIC, list, tuple)
 _WIDE = 64  # a container's first items walked
+_NOTHING = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 _VERSION = operator.attrgetter("_version")
+_CALL = operator.call  # a weak reference's referent, in map: no Python call per reference
+
+
+def _skipped(name: str, value) -> bool:
+    """An attribute a walk does not go into: nothing to find there (most of a module's)."""
+    return value is None or isinstance(value, _ATOMIC) or name.startswith("_")
 
 
 def reached(roots) -> list[torch.Tensor]:
@@ -95,8 +103,7 @@ class Reached:
     def of(cls, tensors) -> Reached:
         small, versioned = [], []
         for t in tensors:
-            if type(t) is not torch.nn.Parameter and t.numel() * t.element_size() \
-                    <= SMALL_STATE_BYTES:
+            if type(t) is not torch.nn.Parameter and t.nbytes <= SMALL_STATE_BYTES:
                 small.append(t)
             elif t.layout is torch.strided and not t.is_meta:
                 versioned.append(t)
@@ -113,19 +120,26 @@ class _Kept:
     as compared by counter; every other tensor found is sorted anew at each read (a buffer
     resized or swapped since, a parameter materialised from meta, is read as it is now). A
     found tensor's death marks its module (a weak reference's callback) for a rescan of that
-    module alone."""
+    module alone. A module scanned again is read apart from the others from then on
+    (``volatile``): megatron's token dispatcher rebinds its routing tensors every forward, and
+    joining the whole walk's lists again for it was most of a region's read. ``fresh`` (values
+    "all"): the walk's ``_shape`` is kept, for ``check``."""
 
-    __slots__ = ("refs", "entries", "round", "checked", "registered", "dead", "params",
-                 "others", "ids", "rescanned", "__weakref__")
+    __slots__ = ("refs", "entries", "round", "checked", "registered", "dead", "volatile",
+                 "params", "others", "ids", "apart", "rescanned", "shaped",
+                 "__weakref__")
 
-    def __init__(self, modules, walked, round_: int, registered: int):
+    def __init__(self, modules, walked, round_: int, registered: int, fresh: bool):
         self.refs = [weakref.ref(m) for m in modules]
         self.round = self.checked = round_  # the walk's round; the last round it was checked
         self.registered = registered
         self.dead: set[int] = set()  # entries a found tensor of which was freed
+        self.volatile: set[int] = set()  # entries scanned again since the walk: read apart
+        self.apart: set[int] = set()  # the ids of the tensors read apart by the last read
         self.rescanned = 0  # modules scanned again by ``check`` (``Walks.rescanned`` reads it)
+        self.shaped = fresh  # ``_shape`` kept: ``check`` can answer
         seen: set[int] = set()
-        self.entries = [self._entry(i, sub, ts, names, _shape(sub, seen))
+        self.entries = [self._entry(i, sub, ts, names, _shape(sub, seen) if fresh else None)
                         for i, (sub, ts, names) in enumerate(walked)]
         self._join()
 
@@ -139,14 +153,29 @@ class _Kept:
         return [weakref.ref(sub), params, others, names, shape]
 
     def _join(self) -> None:
-        self.params = list(itertools.chain.from_iterable(e[1] for e in self.entries))
-        self.others = list(itertools.chain.from_iterable(e[2] for e in self.entries))
+        """The tensors of the entries never scanned again, in two flat lists (read in one pass
+        each); their ids, once asked (``known``)."""
+        stable = [e for i, e in enumerate(self.entries) if i not in self.volatile]
+        self.params = list(itertools.chain.from_iterable(e[1] for e in stable))
+        self.others = list(itertools.chain.from_iterable(e[2] for e in stable))
         self.ids = None
+        self.apart = set()
+
+    def _replace(self, i: int, entry: list) -> bool:
+        """Entry ``i`` scanned again; True where the flat lists must be joined again (it was
+        in them)."""
+        self.entries[i] = entry
+        self.dead.discard(i)
+        if i in self.volatile:
+            return False
+        self.volatile.add(i)
+        return True
 
     def holds(self, modules: dict, fresh: bool, round_: int, registered: int) -> bool:
         return (registered == self.registered and round_ - self.round < REWALK_ROUNDS
                 and all(r() is m for r, m in zip(self.refs, modules.values(), strict=True))
-                and (not fresh or self.checked == round_ or self.check(round_)))
+                and (not fresh or self.checked == round_
+                     or (self.shaped and self.check(round_))))
 
     def check(self, round_: int) -> bool:
         """Whether a fresh walk would find what this one did, found without walking: each
@@ -165,29 +194,34 @@ class _Kept:
         if any(changes):
             seen = {i for entry, names in zip(self.entries, changes, strict=True)
                     for c in entry[4][2] if c[0] not in names for i in _ids_into(c)}
+            join = False
             for i, names in enumerate(changes):
-                if names and not self._rescan(i, names, seen):
-                    return False
-            self._join()
+                if names:
+                    rescanned = self._rescan(i, names, seen)
+                    if rescanned is None:
+                        return False
+                    join |= rescanned
+            if join:
+                self._join()
         self.checked = round_
         return True
 
-    def _rescan(self, i: int, names: set[str], seen: set[int]) -> bool:
+    def _rescan(self, i: int, names: set[str], seen: set[int]) -> bool | None:
         """Entry ``i`` with its attributes ``names`` scanned again, whole (the others where
-        the walk found tensors under them); False where it let go of an object it was the
-        walk's way into."""
+        the walk found tensors under them); None where it let go of an object it was the
+        walk's way into, else whether the flat lists must be joined again."""
         sub, shape = self.entries[i][0](), self.entries[i][4]
         kept = tuple(c for c in shape[2] if c[0] not in names)
         into = kept + _into(sub, set(seen), names)
         if not {c[1] for c in shape[2]} <= {c[1] for c in into}:
-            return False
+            return None
         held = dict(self.entries[i][3])
         attributes = sub.__dict__
         for name in names:
             if name.startswith("_"):
                 continue
             value = attributes.get(name)
-            if value is None or isinstance(value, _ATOMIC):
+            if _skipped(name, value):
                 held.pop(name, None)  # nothing there now
             else:
                 held[name] = None  # read whole
@@ -195,10 +229,8 @@ class _Kept:
         scan.seen.update(seen.difference(i for c in kept for i in _ids_into(c)))
         tensors, found = scan.module(sub, tuple(held.items()))
         shape = (tuple(attributes), tuple(map(id, attributes.values())), into)
-        self.entries[i] = self._entry(i, sub, tensors, found, shape)
-        self.dead.discard(i)
         self.rescanned += 1
-        return True
+        return self._replace(i, self._entry(i, sub, tensors, found, shape))
 
     def read(self) -> tuple[Reached | None, int]:
         """The kept tensors and how many modules were scanned again; None where a module gone
@@ -209,25 +241,46 @@ class _Kept:
         rescanned = 0
         if self.dead:
             dead, self.dead = self.dead, set()
-            scan = _Scan()
+            scan, join = _Scan(), False
             for i in sorted(dead):
                 sub = self.entries[i][0]()
                 if sub is None:
                     return None, rescanned
                 tensors, _ = scan.module(sub, self.entries[i][3])
-                self.entries[i] = self._entry(i, sub, tensors, *self.entries[i][3:])
+                join |= self._replace(i, self._entry(i, sub, tensors, *self.entries[i][3:]))
                 rescanned += 1
-            self._join()
-        params = [r() for r in self.params]
-        others = [r() for r in self.others]
+            if join:
+                self._join()
+        params = list(map(_CALL, self.params))
+        others = list(map(_CALL, self.others))
+        if self.volatile:  # read apart; a tensor of theirs may be another module's too (tied
+            known = self.known(params, others)  # weights): found once
+            extra = {}
+            for i in self.volatile:
+                for t in map(_CALL, itertools.chain(self.entries[i][1], self.entries[i][2])):
+                    if t is None or id(t) not in known:
+                        extra.setdefault(id(t), t)
+            self.apart = set(extra)
+            if extra:
+                for t in extra.values():
+                    counted = (t is not None and type(t) is torch.nn.Parameter
+                               and t.layout is torch.strided and not t.is_meta)
+                    (params if counted else others).append(t)
         # a tensor freed since the marks were read (a callback on another thread): walk anew
         if any(map(operator.is_, itertools.chain(params, others), itertools.repeat(None))):
             return None, rescanned
-        if rescanned:  # a rescanned module's tensors may be another module's too (tied weights)
-            params, others = list(dict.fromkeys(params)), list(dict.fromkeys(others))
         found = Reached.of(others)
         found.versioned += params
         return found, rescanned
+
+    def known(self, params=None, others=None) -> set[int]:
+        """The ids of the tensors in the flat lists (found from ``params`` and ``others``,
+        their referents, where given)."""
+        if self.ids is None:
+            if params is None:
+                params, others = map(_CALL, self.params), map(_CALL, self.others)
+            self.ids = set(map(id, itertools.chain(params, others)))
+        return self.ids
 
 
 def _mark_dead(kept_ref, i: int, _ref) -> None:
@@ -288,13 +341,13 @@ class Walks:
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
             walked = _walk(list(modules.values()))
             kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
-                                           self._registered)
+                                           self._registered, fresh)
             self.walked += 1
             found = Reached.of([t for _, ts, _ in walked for t in ts])
         if tensors:  # the region's own tensors (its inputs), less those the walk found
-            if kept.ids is None:
-                kept.ids = set(map(id, found))
-            own = Reached.of([t for i, t in tensors.items() if i not in kept.ids])
+            known = kept.known()
+            own = Reached.of([t for i, t in tensors.items()
+                              if i not in known and i not in kept.apart])
             found.small += own.small
             found.versioned += own.versioned
         return found
@@ -316,7 +369,12 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
     tensor = functools.partial(_tensor, tensors)
 
     def visit(obj, depth: int) -> None:
-        if isinstance(obj, torch.Tensor):
+        kind = type(obj)
+        if kind in _PLAIN:
+            tensors.setdefault(id(obj), obj)
+        elif kind in _NOTHING:  # most closure cells and arguments: nothing under them
+            return
+        elif isinstance(obj, torch.Tensor):
             tensor(obj)
         elif isinstance(obj, torch.nn.Module):
             modules.setdefault(id(obj), obj)
@@ -433,8 +491,8 @@ class _Scan:
         attributes = sub.__dict__
         if held is None:
             for name, value in attributes.items():  # no parameter / buffer
-                if value is None or isinstance(value, _ATOMIC) or name.startswith("_"):
-                    continue  # nothing to find (most of a module's attributes)
+                if _skipped(name, value):
+                    continue
                 before = len(self._new)
                 fields = None if isinstance(value, torch.Tensor) else _fields(value)
                 if fields is None or id(value) in self.seen:
@@ -492,7 +550,7 @@ def _into(sub: torch.nn.Module, seen: set[int], names=None) -> tuple:
     attributes = sub.__dict__
     for name in (attributes if names is None else [n for n in attributes if n in names]):
         value = attributes[name]
-        if value is None or isinstance(value, _ATOMIC) or name.startswith("_"):
+        if _skipped(name, value):
             continue
         members = _members(value)
         if members is None or id(value) in seen:

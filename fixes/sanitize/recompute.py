@@ -123,6 +123,7 @@ class RecomputeSanitizer:
     # (call site, position) whose within-tolerance difference the locator found a lowering
     _tolerated: set = field(default_factory=set, repr=False)
     _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
+    _queued_on: int = field(default=-1, repr=False)  # the backward whose flush is queued
     _walks: Walks = field(default_factory=Walks, repr=False)  # what regions reach, kept
     # watch -> its fatal error, held for torch's own check of the recompute (_torch_check_first)
     _for_torch: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
@@ -168,11 +169,17 @@ class RecomputeSanitizer:
         """Judge ``check`` (a ``_detect._Check``) when this backward ends, with every other
         recompute's, after one host synchronisation per device; at once outside backward."""
         self._pending.append(check)
-        try:  # one callback per check: the first flushes all, the rest find nothing left (a
-            # backward that failed before its callbacks ran leaves its checks to the next)
+        task = torch._C._current_graph_task_id()  # -1: not inside a backward
+        if task == self._queued_on != -1:
+            return  # this backward's callback is queued: it flushes this check too
+        # One callback per backward (a backward that failed before its callbacks ran leaves
+        # its checks to the next one's: task ids are never reused)
+        try:
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
         except RuntimeError:  # not inside a backward
             self._flush()
+        else:
+            self._queued_on = task
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
