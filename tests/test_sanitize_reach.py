@@ -506,3 +506,16 @@ def test_a_walk_kept_for_none_or_sampled_keeps_no_shape(monkeypatch):
     got = walks.reach([model], fresh=True)
     assert calls and walks.walked == 2
     assert {id(p) for p in model.parameters()} <= {id(t) for t in got}
+
+
+def test_a_sparse_tensor_the_region_reaches_is_sorted_and_left_uncompared():
+    """A sparse COO buffer or argument (a graph's adjacency) has no ``nbytes``: sorted by its
+    element count as before, and left out by ``State`` (neither readable nor strided), not an
+    error (a review of fd11831: ``Reached.of`` raised on it)."""
+    module = torch.nn.Module()
+    module.register_buffer("adj", torch.eye(3).to_sparse())
+    arg = torch.eye(2).to_sparse()
+    found = _reach.Walks().reach([module, arg], fresh=False)
+    assert {id(t) for t in found.small} == {id(module.adj), id(arg)}
+    state = _reach.State(found)
+    assert state.small == [] and state.versions == []

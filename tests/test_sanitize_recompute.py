@@ -917,3 +917,32 @@ def test_a_backward_flushes_its_checks_once_whatever_its_regions(monkeypatch):
             y.backward()
         forward(torch.randn(2, 4, requires_grad=True)).backward()
     assert flushed[0] == 4 and sum(flushed) == 12 and sanitizer.recomputes == 12
+
+
+def test_a_recompute_in_a_callback_after_the_flush_is_judged_in_its_own_backward():
+    """A final callback queued after the sanitizer's flush (one that reads a checkpointed
+    region's saved tensor) recomputes that region: its check is flushed with that backward,
+    not left to a later one that would take a legitimate write after the backward for the
+    recompute's (a review of fd11831, whose one-callback-a-backward did exactly that)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))  # small state: compared by its bits
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    first, second = torch.nn.Linear(4, 4), Scaled()
+    with recompute_sanitizer(values="none") as sanitizer:
+        x = torch.randn(2, 4, requires_grad=True)
+        y = checkpoint(first, x, use_reentrant=False)
+        z = checkpoint(second, y.detach().requires_grad_(), use_reentrant=False)
+        x.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: z.grad_fn._saved_other))
+        y.sum().backward()
+        assert sanitizer.recomputes == 2 and sanitizer._pending == []
+        with torch.no_grad():
+            second.scale.fill_(2.0)  # a schedule's update, after the backward
+    assert torch.equal(second.scale, torch.full((4,), 2.0))

@@ -69,7 +69,8 @@ _ATOMIC = (torch.nn.Module, type, str, bytes, int, float)
 # what is no plain object or dict (a rescan reads the whole of it)
 _NOT_PLAIN = (torch.Tensor, *_ATOMIC, list, tuple)
 _WIDE = 64  # a container's first items walked
-_NOTHING = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device})
+# a tuple, not a set: a class whose metaclass defines __eq__ without __hash__ is unhashable
+_NOTHING = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 _VERSION = operator.attrgetter("_version")
 _CALL = operator.call  # a weak reference's referent, in map: no Python call per reference
@@ -103,7 +104,9 @@ class Reached:
     def of(cls, tensors) -> Reached:
         small, versioned = [], []
         for t in tensors:
-            if type(t) is not torch.nn.Parameter and t.nbytes <= SMALL_STATE_BYTES:
+            # numel * element_size, not nbytes: a sparse tensor has no nbytes
+            if type(t) is not torch.nn.Parameter and t.numel() * t.element_size() \
+                    <= SMALL_STATE_BYTES:
                 small.append(t)
             elif t.layout is torch.strided and not t.is_meta:
                 versioned.append(t)
@@ -116,7 +119,7 @@ class Reached:
 class _Kept:
     """One kept walk of a set of modules: per (sub)module walked, the tensors found in it
     (weakly) and the attributes they were found under; the walk's round and the registrations
-    seen before it. Its parameters (strided, not meta, at the walk: the bulk of it) are kept
+    seen before it. Its parameters (strided, not meta, when found: the bulk of it) are kept
     as compared by counter; every other tensor found is sorted anew at each read (a buffer
     resized or swapped since, a parameter materialised from meta, is read as it is now). A
     found tensor's death marks its module (a weak reference's callback) for a rescan of that

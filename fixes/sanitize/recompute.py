@@ -171,7 +171,7 @@ class RecomputeSanitizer:
         self._pending.append(check)
         task = torch._C._current_graph_task_id()  # -1: not inside a backward
         if task == self._queued_on != -1:
-            return  # this backward's callback is queued: it flushes this check too
+            return  # this backward's flush is queued and has not run: it takes this check
         # One callback per backward (a backward that failed before its callbacks ran leaves
         # its checks to the next one's: task ids are never reused)
         try:
@@ -182,6 +182,9 @@ class RecomputeSanitizer:
             self._queued_on = task
 
     def _flush(self) -> None:
+        # a check deferred after this flush (a recompute in a later final callback of the same
+        # backward) queues a flush of its own
+        self._queued_on = -1
         pending, self._pending = self._pending, []
         if not pending:
             return
