@@ -122,31 +122,25 @@ def metadata(outs: list[torch.Tensor]) -> tuple:
     return tuple([(tuple(t.shape), t.dtype, t.device.type) for t in outs])
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def _valued(t: torch.Tensor) -> bool:
     """A tensor with values of its own: strided, real storage, not empty, not a subclass
     (fake, functional, DTensor's wrapper)."""
     return (t.layout is torch.strided and not t.is_meta and t.numel() > 0
-            and type(t) in _PLAIN)
+            and type(t) in (torch.Tensor, torch.nn.Parameter))
 
 
 def readable(t: torch.Tensor) -> bool:
     """True if ``t``'s values can be read: ``_valued``, and its storage still holds every
     element (a storage released by ``resize_(0)`` -- FSDP's reshard, a recompute reclaim --
     must never be read: on CPU that is a segmentation fault)."""
-    if t.layout is not torch.strided or t.is_meta or type(t) not in _PLAIN:  # ``_valued``,
-        return False  # inline: every region asks it of each small tensor it reaches, twice
-    numel = t.numel()
-    if numel == 0:
+    if not _valued(t):
         return False
     try:
         nbytes = t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return False
     if t.is_contiguous():
-        extent = t.storage_offset() + numel
+        extent = t.storage_offset() + t.numel()
     else:
         extent = t.storage_offset() + 1
         for size, stride in zip(t.shape, t.stride(), strict=True):

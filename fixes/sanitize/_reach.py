@@ -19,8 +19,8 @@ the detect tier's check of writes outside the region (``_detect``).
   rescan every round does not join the walk's lists again). A kept walk holds its tensors
   weakly, its parameters kept as compared by counter (``Reached``) and every other tensor
   sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
-  since the walk), and learns of a death by the weak reference's callback: a region reads it with no call per
-  module or parameter (megatron's layers each reach the whole block's parameters; sorting
+  since the walk), and learns of a death by the weak reference's callback: a region reads it
+  with no call per module or parameter (megatron's layers each reach the whole block's parameters; sorting
   them again per region was most of ``values="none"``'s remaining host time,
   ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
   alive elsewhere leaves them compared until the next fresh walk (more checked, none missed).
@@ -150,9 +150,7 @@ class _Kept:
         mark = functools.partial(_mark_dead, weakref.ref(self), i)
         params, others = [], []
         for t in tensors:
-            counted = (type(t) is torch.nn.Parameter and t.layout is torch.strided
-                       and not t.is_meta)
-            (params if counted else others).append(weakref.ref(t, mark))
+            (params if _counted(t) else others).append(weakref.ref(t, mark))
         return [weakref.ref(sub), params, others, names, shape]
 
     def _join(self) -> None:
@@ -266,9 +264,7 @@ class _Kept:
             self.apart = set(extra)
             if extra:
                 for t in extra.values():
-                    counted = (t is not None and type(t) is torch.nn.Parameter
-                               and t.layout is torch.strided and not t.is_meta)
-                    (params if counted else others).append(t)
+                    (params if t is not None and _counted(t) else others).append(t)
         # a tensor freed since the marks were read (a callback on another thread): walk anew
         if any(map(operator.is_, itertools.chain(params, others), itertools.repeat(None))):
             return None, rescanned
@@ -284,6 +280,12 @@ class _Kept:
                 params, others = map(_CALL, self.params), map(_CALL, self.others)
             self.ids = set(map(id, itertools.chain(params, others)))
         return self.ids
+
+
+def _counted(t: torch.Tensor) -> bool:
+    """A kept walk's tensor compared by counter without sorting it again at each read: a
+    strided parameter with storage (not meta)."""
+    return type(t) is torch.nn.Parameter and t.layout is torch.strided and not t.is_meta
 
 
 def _mark_dead(kept_ref, i: int, _ref) -> None:
