@@ -519,3 +519,41 @@ def test_a_sparse_tensor_the_region_reaches_is_sorted_and_left_uncompared():
     assert {id(t) for t in found.small} == {id(module.adj), id(arg)}
     state = _reach.State(found)
     assert state.small == [] and state.versions == []
+
+
+def _two_holding_one():
+    """Two modules holding one plain tensor, each under its own attribute (megatron's layers
+    share routing and RoPE tensors this way); the walk meets it in ``a`` first."""
+    shared = torch.zeros(2)
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.x, b.y = shared, shared
+    return torch.nn.ModuleList([a, b]), a, b
+
+
+def test_a_tensor_two_modules_hold_stays_reached_when_the_first_rebinds_it():
+    """Checked each round (values="all"): ``a`` rebinds its attribute, the tensor lives on in
+    ``b``. A walk that credited it to ``a`` alone lost it with ``a``'s rescan until the next
+    fresh walk; a fresh walk finds both, so the checked walk must too."""
+    model, a, b = _two_holding_one()
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=True)
+        a.x = torch.ones(3)
+        walks.new_round()
+        got = {id(t) for t in walks.reach([model], fresh=True)}
+    assert walks.walked == 1
+    assert {id(a.x), id(b.y)} <= got
+
+
+def test_both_modules_holding_a_freed_tensor_are_scanned_again():
+    """Both let go of the tensor they shared (it dies): each holder is scanned again, not only
+    the module the walk met it in first, so ``b``'s new tensor is reached in every mode."""
+    model, a, b = _two_holding_one()
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        a.x, b.y = torch.ones(3), torch.full((4,), 2.0)
+        got = [id(t) for t in walks.reach([model], fresh=False)]
+    assert walks.walked == 1 and walks.rescanned == 2
+    assert len(got) == len(set(got))
+    assert {id(a.x), id(b.y)} <= set(got)

@@ -157,8 +157,8 @@ class _Kept:
         """The tensors of the entries never scanned again, in two flat lists (read in one pass
         each); their ids, once asked (``known``)."""
         stable = [e for i, e in enumerate(self.entries) if i not in self.volatile]
-        self.params = list(itertools.chain.from_iterable(e[1] for e in stable))
-        self.others = list(itertools.chain.from_iterable(e[2] for e in stable))
+        self.params = _once(itertools.chain.from_iterable(e[1] for e in stable))
+        self.others = _once(itertools.chain.from_iterable(e[2] for e in stable))
         self.ids = None
         self.apart = set()
 
@@ -288,6 +288,13 @@ def _counted(t: torch.Tensor) -> bool:
     return type(t) is torch.nn.Parameter and t.layout is torch.strided and not t.is_meta
 
 
+def _once(refs) -> list:
+    """Weak references less those to a referent an earlier one has (a tensor several modules
+    hold is in each one's entry)."""
+    seen: set[int] = set()
+    return [r for r in refs if (i := id(r())) not in seen and not seen.add(i)]
+
+
 def _mark_dead(kept_ref, i: int, _ref) -> None:
     kept = kept_ref()
     if kept is not None:
@@ -348,7 +355,7 @@ class Walks:
             kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
                                            self._registered, fresh)
             self.walked += 1
-            found = Reached.of([t for _, ts, _ in walked for t in ts])
+            found = Reached.of(list({id(t): t for _, ts, _ in walked for t in ts}.values()))
         if tensors:  # the region's own tensors (its inputs), less those the walk found
             known = kept.known()
             own = Reached.of([t for i, t in tensors.items()
@@ -424,16 +431,21 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
 
 class _Scan:
     """One pass over modules' own tensors: each container and plain object visited once
-    (``seen``), each tensor found once (``tensors``)."""
+    (``seen``); each tensor found once per module that holds it (``_mine``) and once in the
+    pass (``tensors``). A tensor two modules hold is each one's: credited to the first alone,
+    it was lost when that one rebound its attribute (scanned again alone) while the other
+    still held it, until the next fresh walk."""
 
     def __init__(self):
         self.tensors: dict[int, torch.Tensor] = {}
         self.seen: set[int] = set()
         self._new: list[torch.Tensor] = []
+        self._mine: set[int] = set()
 
     def _add(self, t: torch.Tensor) -> None:
-        if type(t) in _PLAIN and id(t) not in self.tensors:
-            self.tensors[id(t)] = t
+        if type(t) in _PLAIN and id(t) not in self._mine:
+            self._mine.add(id(t))
+            self.tensors.setdefault(id(t), t)
             self._new.append(t)
 
     def _attribute(self, value, depth: int) -> None:
@@ -486,12 +498,14 @@ class _Scan:
 
     def module(self, sub: torch.nn.Module, held: tuple | None = None,
                ) -> tuple[list[torch.Tensor], tuple]:
-        """``sub``'s own parameters, buffers and tensor attributes (not its submodules'), less
-        those this pass found before, and where those were found: ``(attribute name, the keys
-        of its fields that held them or None)`` each. ``held``: only there (a rescan:
-        megatron's modules, and its token dispatcher, also hold a config of hundreds of plain
-        fields, walked again for nothing)."""
-        self._new = []
+        """``sub``'s own parameters, buffers and tensor attributes (not its submodules'; those
+        another module holds too among them), and where they were found: ``(attribute name,
+        the keys of its fields that held them or None)`` each. A plain object or container
+        this pass went into before is another module's way into its tensors (megatron's
+        config: walked once). ``held``: only there (a rescan: megatron's modules, and its
+        token dispatcher, also hold a config of hundreds of plain fields, walked again for
+        nothing)."""
+        self._new, self._mine = [], set()
         found = []
         attributes = sub.__dict__
         if held is None:
