@@ -431,22 +431,18 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
 
 class _Scan:
     """One pass over modules' own tensors: each container and plain object visited once
-    (``seen``); each tensor found once per module that holds it (``_mine``) and once in the
-    pass (``tensors``). A tensor two modules hold is each one's: credited to the first alone,
-    it was lost when that one rebound its attribute (scanned again alone) while the other
-    still held it, until the next fresh walk."""
+    (``seen``); each tensor found once per module that holds it (``_mine``). A tensor two
+    modules hold is each one's: credited to the first alone, it was lost when that one rebound
+    its attribute (scanned again alone) while the other still held it, until the next fresh
+    walk."""
 
     def __init__(self):
-        self.tensors: dict[int, torch.Tensor] = {}
         self.seen: set[int] = set()
-        self._new: list[torch.Tensor] = []
-        self._mine: set[int] = set()
+        self._mine: dict[int, torch.Tensor] = {}  # the module's tensors, in the order found
 
     def _add(self, t: torch.Tensor) -> None:
-        if type(t) in _PLAIN and id(t) not in self._mine:
-            self._mine.add(id(t))
-            self.tensors.setdefault(id(t), t)
-            self._new.append(t)
+        if type(t) in _PLAIN:
+            self._mine.setdefault(id(t), t)
 
     def _attribute(self, value, depth: int) -> None:
         """Tensors held in a module's attributes: directly, or in a dict, list or plain
@@ -478,9 +474,9 @@ class _Scan:
         self.seen.add(id(value))
         keys = []
         for key, x in items[:_WIDE]:
-            before = len(self._new)
+            before = len(self._mine)
             self._attribute(x, 1)
-            if len(self._new) > before:
+            if len(self._mine) > before:
                 keys.append(key)
         return tuple(keys)
 
@@ -505,21 +501,21 @@ class _Scan:
         config: walked once). ``held``: only there (a rescan: megatron's modules, and its
         token dispatcher, also hold a config of hundreds of plain fields, walked again for
         nothing)."""
-        self._new, self._mine = [], set()
+        self._mine = {}
         found = []
         attributes = sub.__dict__
         if held is None:
             for name, value in attributes.items():  # no parameter / buffer
                 if _skipped(name, value):
                     continue
-                before = len(self._new)
+                before = len(self._mine)
                 fields = None if isinstance(value, torch.Tensor) else _fields(value)
                 if fields is None or id(value) in self.seen:
                     self._attribute(value, 0)
                     keys = None  # a rescan reads it whole
                 else:
                     keys = self._held(value, fields)
-                if len(self._new) > before:
+                if len(self._mine) > before:
                     found.append((name, keys))
         else:
             for name, keys in held:
@@ -529,7 +525,7 @@ class _Scan:
         for t in (*sub._parameters.values(), *sub._buffers.values()):
             if t is not None:
                 self._add(t)
-        new, self._new = self._new, []
+        new, self._mine = list(self._mine.values()), {}
         return new, tuple(found)
 
 
