@@ -319,15 +319,18 @@ def test_a_backwards_regions_are_compared_in_one_pass_then_each_where_one_change
     tensors = [[torch.zeros(3), torch.ones(2, dtype=torch.int64)], [torch.zeros(5)],
                [torch.tensor([True]), torch.zeros(4, dtype=torch.bfloat16)]]
     states = [_reach.State(ts) for ts in tensors]
-    items = [(key, *state.pairs()[torch.device("cpu")])
-             for key, state in zip("abc", states, strict=True)]
-    assert [(k, bool(f)) for k, f in _reach.changed_flags(items)] == [
+
+    def items():  # unsettled: the bytes as they are now
+        return [(key, *state.pairs()[torch.device("cpu")])
+                for key, state in zip("abc", states, strict=True)]
+
+    assert [(k, bool(f)) for k, f in _reach.changed_flags(items())] == [
         ("a", False), ("b", False), ("c", False)]
-    assert not bool(_reach.any_changed(items))
+    assert not bool(_reach.any_changed(items()))
     tensors[1][0][4] = 1.0
-    assert bool(_reach.any_changed(items))
+    assert bool(_reach.any_changed(items()))
     tensors[2][1][0] = -0.0  # another bit pattern, an equal value
-    assert [(k, bool(f)) for k, f in _reach.changed_flags(items)] == [
+    assert [(k, bool(f)) for k, f in _reach.changed_flags(items())] == [
         ("a", False), ("b", True), ("c", True)]
     tensors[0][0].resize_(4)  # another shape: changed, with no comparison
     assert states[0].pairs()[torch.device("cpu")] is None
@@ -557,3 +560,35 @@ def test_both_modules_holding_a_freed_tensor_are_scanned_again():
     assert walks.walked == 1 and walks.rescanned == 2
     assert len(got) == len(set(got))
     assert {id(a.x), id(b.y)} <= set(got)
+
+
+def test_the_small_state_is_judged_as_the_recompute_left_it_not_as_it_is_later():
+    """``settle`` (the recompute's end) freezes the small tensors' bytes: a write after it
+    (a later region's recompute, the backward, a final callback, the next forward) is not
+    the recompute's -- a comparison at the backward's end took it for theirs."""
+    t, u = torch.zeros(3), torch.zeros(2)
+    state = _reach.State([t, u])
+    u.add_(1)  # the recompute's own write
+    state.settle()
+    t.add_(1)  # after it
+    t.resize_(5)
+    assert [bool(f) for f in state.flags()] == [True]
+    assert [x for x, _ in state.changed()] == [u]
+    quiet = _reach.State([t])
+    quiet.settle()
+    t.add_(1)
+    t.set_(torch.ones(2))
+    assert [bool(f) for f in quiet.flags()] == [False] and quiet.changed() == []
+
+
+def test_a_module_bound_by_a_default_argument_is_reached():
+    """``def f(h, layer=layer)``: binding a loop's layer by a default argument is the usual
+    way around late-binding closures; the layer is the function's as much as a closure's."""
+    layer, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    layer.register_buffer("calls", torch.zeros(()))
+
+    def f(h, layer=layer, *, other=other):
+        return other(layer(h))
+
+    found = {id(t) for t in _reach.reached([f])}
+    assert {id(t) for t in (*layer.parameters(), layer.calls, *other.parameters())} <= found

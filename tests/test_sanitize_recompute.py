@@ -946,3 +946,56 @@ def test_a_recompute_in_a_callback_after_the_flush_is_judged_in_its_own_backward
         with torch.no_grad():
             second.scale.fill_(2.0)  # a schedule's update, after the backward
     assert torch.equal(second.scale, torch.full((4,), 2.0))
+
+
+class _Counted(torch.nn.Module):
+    """megatron's pattern: each layer's region holds the whole block (its closure reaches
+    every layer's buffers); one layer's forward counts its calls in a buffer of its own, so
+    its recompute counts them again (torchtitan #4568's token counts)."""
+
+    def __init__(self, n: int, writer: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+        for layer in self.layers:
+            layer.register_buffer("calls", torch.zeros(()))
+        self.writer = writer
+
+    def region(self, i: int):
+        block, layer = self, self.layers[i]
+
+        def counted_layer(h):
+            layer.calls.add_(1)  # LINE-WRITE
+            return torch.tanh(layer(h))
+
+        def plain_layer(h):
+            assert block.layers[i] is layer
+            return torch.tanh(layer(h))
+
+        return counted_layer if i == self.writer else plain_layer
+
+    def forward(self, x, reentrant: bool):
+        for i in range(len(self.layers)):
+            x = checkpoint(self.region(i), x, use_reentrant=reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["all", "sampled", "none"])
+def test_a_write_is_named_for_the_recompute_that_made_it_not_one_before(values, reentrant):
+    """Backward recomputes the last layer first; the first layer's recompute writes. The
+    regions recomputed before it reach the same buffer, and a snapshot compared at the
+    backward's end took the write for theirs: the first of them was named, and ``all``'s
+    locator, replaying it, found nothing ("did not recur"). Each recompute is judged by what
+    it left, when it ends: the writer is named, and ``all`` names its op."""
+    block = _Counted(3, writer=0)
+    with pytest.raises(RecomputeMismatchError) as caught, \
+            recompute_sanitizer(values=values) as sanitizer:
+        for _ in range(2):
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+    message = str(caught.value)
+    assert "counted_layer" in message and "plain_layer" not in message
+    assert caught.value.verdict.name == "SIDE_EFFECT"
+    if values == "all":
+        assert sanitizer.located == 1 and caught.value.op == "aten.add_.Tensor"
+        assert "did not recur" not in message
+    assert float(block.layers[0].calls) == (2.0 if values == "all" else 1.0)

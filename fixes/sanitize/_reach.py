@@ -2,11 +2,12 @@
 the detect tier's check of writes outside the region (``_detect``).
 
 * ``reached(roots)``: the plain tensors reachable from a region's function and arguments --
-  the tensors among them (and in their closures, partials, lists, dicts, two levels deep), and
-  every parameter, buffer and tensor attribute of the modules among them. Each module and each
-  plain object is walked once: megatron's modules all hold one ``TransformerConfig``, and
-  walking it again under each of an MoE layer's thousand modules was most of a sanitized
-  step's host time on the H200 (``values="none"`` cost 1.41x a step at H=1024).
+  the tensors among them (and in their closures, default arguments, partials, lists, dicts,
+  two levels deep), and every parameter, buffer and tensor attribute of the modules among
+  them. Each module and each plain object is walked once: megatron's modules all hold one
+  ``TransformerConfig``, and walking it again under each of an MoE layer's thousand modules
+  was most of a sanitized step's host time on the H200 (``values="none"`` cost 1.41x a step
+  at H=1024).
 * ``Walks``: the walk of a region's modules (their subtrees and attributes: the costly part)
   kept per set of modules, across rounds, while nothing it could have missed changed: no
   parameter, buffer or submodule was registered anywhere (torch's global registration hooks,
@@ -32,11 +33,14 @@ the detect tier's check of writes outside the region (``_detect``).
   A fresh walk every round was the largest host cost of ``values="none"`` on megatron's MoE
   (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``), and, two walks
   of megatron's GPT+MTP block a step, of ``values="all"`` on the H200.
-* ``State``: the reached tensors as a recompute found them -- small non-parameter ones by
-  their bits (batch norm updates its running statistics without bumping their version
-  counter), gathered into one byte buffer per device by one ``cat``, so a region costs one
-  copy per device, not a few per tensor; the others by version counter, read in one pass
-  (``map``) at the recompute's start and end.
+* ``State``: the reached tensors as a recompute found them and as it left them -- small
+  non-parameter ones by their bits (batch norm updates its running statistics without
+  bumping their version counter), gathered into one byte buffer per device by one ``cat`` at
+  the recompute's start and one at its end, so a region costs two copies per device, not a
+  few per tensor; the others by version counter, read in one pass (``map``) at the
+  recompute's start and end. Judged by what the recompute left, not by what the tensors hold
+  when the backward ends: megatron's layers each reach the whole block's buffers, and a
+  write by one layer's recompute was taken for every region recomputed before it.
   ``any_changed``: every region of a backward compared in one pass per device, a 0-d device
   tensor true when some small tensor's bits changed (read after the backward's one
   synchronisation); only where it is set, ``changed_flags``: which regions (a second
@@ -413,6 +417,11 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
                     visit(cell.cell_contents, depth + 1)
                 except ValueError:  # an empty cell
                     pass
+            # ``def f(h, layer=layer)``: a loop's layer bound by a default argument
+            for defaults in (getattr(obj, "__defaults__", None),
+                             getattr(obj, "__kwdefaults__", None)):
+                if defaults:
+                    visit(defaults, depth + 1)
             code, names = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
             if code is not None and isinstance(names, dict):  # the globals it names
                 for name in code.co_names:
@@ -625,7 +634,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class State:
-    """The reached tensors as a recompute found them (see the module docstring)."""
+    """The reached tensors as a recompute found them and as it left them (see the module
+    docstring): ``settle`` at the recompute's end reads the counters and copies the small
+    tensors' bytes again, so a write after it -- a later region's recompute reaching the same
+    buffer (megatron's layers each reach the whole block's), the backward itself, the next
+    forward -- is not taken for this recompute's (compared at the backward's end instead, a
+    write by the first layer's recompute was named for the region recomputed before it)."""
 
     def __init__(self, reached_tensors: Reached | list[torch.Tensor]):
         found = (reached_tensors if isinstance(reached_tensors, Reached)
@@ -649,12 +663,13 @@ class State:
         self._versioned: list[torch.Tensor] | None = versioned
         self._counts: list[int] | None = list(map(_VERSION, versioned))
         self._settled: list[tuple[torch.Tensor, int]] = []
-        # the byte views of the snapshot, kept (until the backward's end) for the comparison:
-        # views of the same storage, read again then; made once, not twice per region. Each
-        # tensor's data pointer with them: a tensor given another storage (``set_``, ``.data
-        # =``) leaves its view reading the old one, so the swap itself counts as a change.
+        # The byte views of the snapshot, kept until ``settle`` copies them again: views of
+        # the same storages, made once. Each tensor's data pointer with them: a tensor given
+        # another storage (``set_``, ``.data =``) leaves its view reading the old one, so the
+        # swap itself counts as a change.
         self._views: dict[torch.device, list[torch.Tensor]] = {}
         self._pointers = [t.data_ptr() for t in self.small]
+        self._after: dict[torch.device, torch.Tensor | list] | None = None  # (``settle``)
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             for device, indices in groups.items():  # a copy: one kernel per device
                 views = self._views[device] = [_bytes(self.small[i]) for i in indices]
@@ -668,17 +683,34 @@ class State:
             return self._settled
         return list(zip(self._versioned, self._counts, strict=True))
 
-    def pairs(self) -> dict[torch.device, tuple[list[torch.Tensor], torch.Tensor] | None]:
-        """Per device: the small tensors' byte views as they are now and the snapshot from
-        before (``changed_flags`` compares them), or None where one changed shape, dtype or
-        storage or can no longer be read (changed, without a comparison)."""
-        out: dict = {}
-        for device, (indices, before) in self.snapshots.items():
-            same = all((self.small[i].shape, self.small[i].dtype) == self.metas[i]
-                       and fp.readable(self.small[i])
-                       and self.small[i].data_ptr() == self._pointers[i] for i in indices)
-            out[device] = (self._views[device], before) if same else None
-        return out
+    def _same(self, i: int) -> bool:
+        """Small tensor ``i`` of the shape, dtype and storage it had, and readable."""
+        t = self.small[i]
+        return ((t.shape, t.dtype) == self.metas[i] and fp.readable(t)
+                and t.data_ptr() == self._pointers[i])
+
+    def _now(self, device: torch.device) -> torch.Tensor | list:
+        """A device's small tensors' bytes now: one copy where each is as the snapshot found
+        it, else one per tensor (None where it is not: changed, with no comparison)."""
+        indices = self.snapshots[device][0]
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            if all(map(self._same, indices)):
+                return torch.cat(self._views[device])
+            return [_bytes(self.small[i]).clone() if self._same(i) else None for i in indices]
+
+    def _afters(self) -> dict[torch.device, torch.Tensor | list]:
+        """The bytes as the recompute left them (``settle``); before it, as they are now."""
+        if self._after is not None:
+            return self._after
+        return {device: self._now(device) for device in self.snapshots}
+
+    def pairs(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per device: the small tensors' bytes as the recompute left them and the snapshot
+        from before (``changed_flags`` compares them), or None where one changed shape, dtype
+        or storage or can no longer be read (changed, without a comparison)."""
+        return {device: (after, self.snapshots[device][1])
+                if isinstance(after, torch.Tensor) else None
+                for device, after in self._afters().items()}
 
     def flags(self) -> list[torch.Tensor]:
         """One 0-d bool device tensor per device: some small tensor's bits changed."""
@@ -689,11 +721,14 @@ class State:
         return out
 
     def settle(self) -> None:
-        """Read the version counters now (the recompute has just ended) and let go of every
-        tensor whose counter did not move: a region's inputs and parameters are not held
-        until the backward's end (that raised the backward's peak by every checkpointed
-        layer's input), and a write after the recompute (by the backward itself) is not
-        taken for the recompute's."""
+        """The recompute has just ended: copy the small tensors' bytes as it left them (one
+        kernel per device), read the version counters and let go of every tensor whose
+        counter did not move -- a region's inputs and parameters are not held until the
+        backward's end (that raised the backward's peak by every checkpointed layer's input).
+        A write after this is not the recompute's."""
+        if self._after is None:
+            self._after = self._afters()
+            self._views = {}
         if self._versioned is None:
             return
         now = list(map(_VERSION, self._versioned))
@@ -705,27 +740,23 @@ class State:
     def host_changed(self) -> bool:
         return any(t._version != v for t, v in self.versions)
 
-    def _before(self, i: int, indices: list[int], snapshot: torch.Tensor) -> torch.Tensor:
-        """Small tensor ``i``'s bytes as the recompute found them (a view of the snapshot)."""
-        offset = 0
-        for j in indices:
-            n = self.small[j].numel() * self.small[j].element_size()
-            if j == i:
-                return snapshot[offset:offset + n]
-            offset += n
-        raise KeyError(i)
-
     def changed(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(tensor, its bytes from before or None) for each tensor left changed, less scratch
-        and the storages ``fixes.recompute`` replays. Synchronises (a flagged region only)."""
+        """(tensor, its bytes from before or None) for each tensor the recompute left changed,
+        less scratch and the storages ``fixes.recompute`` replays. Synchronises (a flagged
+        region only)."""
         found: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        afters = self._afters()
         with torch.no_grad(), torch._C._DisableTorchDispatch():
-            for indices, snapshot in self.snapshots.values():
-                for i in indices:
-                    t, before = self.small[i], self._before(i, indices, snapshot)
-                    if ((t.shape, t.dtype) != self.metas[i] or not fp.readable(t)
-                            or bool((_bytes(t) != before).any())):
-                        found.append((t, before))
+            for device, (indices, snapshot) in self.snapshots.items():
+                after, offset = afters[device], 0
+                for k, i in enumerate(indices):
+                    n = self.metas[i][0].numel() * self.metas[i][1].itemsize
+                    before = snapshot[offset:offset + n]
+                    now = after[offset:offset + n] if isinstance(after, torch.Tensor) \
+                        else after[k]
+                    offset += n
+                    if now is None or bool((now != before).any()):
+                        found.append((self.small[i], before))
         found += [(t, None) for t, v in self.versions if t._version != v]
         if not found:
             return found
@@ -749,20 +780,20 @@ class State:
         return True
 
 
-def changed_flags(items: list[tuple[object, list[torch.Tensor], torch.Tensor]],
+def changed_flags(items: list[tuple[object, torch.Tensor, torch.Tensor]],
                   ) -> list[tuple[object, torch.Tensor]]:
-    """``(key, the byte views now, the snapshot before)`` of states on one device -> ``(key, a
+    """``(key, the bytes after, the snapshot before)`` of states on one device -> ``(key, a
     0-d bool device tensor: some bit changed)`` each. No synchronisation."""
     with torch.no_grad(), torch._C._DisableTorchDispatch():
-        return [(key, (torch.cat(views) != before).any()) for key, views, before in items]
+        return [(key, (after != before).any()) for key, after, before in items]
 
 
-def any_changed(items: list[tuple[object, list[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+def any_changed(items: list[tuple[object, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One 0-d bool device tensor: some bit of any of ``items`` (as ``changed_flags``) changed
     -- a backward's regions in one comparison (four kernels, not three a region); only where
     it is set does each region need its own flag. No synchronisation."""
     with torch.no_grad(), torch._C._DisableTorchDispatch():
-        now = torch.cat([v for _, views, _ in items for v in views])
+        now = torch.cat([after for _, after, _ in items])
         return (now != torch.cat([before for _, _, before in items])).any()
 
 
