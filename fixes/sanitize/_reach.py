@@ -78,6 +78,8 @@ _NOTHING = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 _VERSION = operator.attrgetter("_version")
 _CALL = operator.call  # a weak reference's referent, in map: no Python call per reference
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_DATA_PTR = operator.methodcaller("data_ptr")
 
 
 def _skipped(name: str, value) -> bool:
@@ -693,9 +695,13 @@ class State:
         """A device's small tensors' bytes now: one copy where each is as the snapshot found
         it, else one per tensor (None where it is not: changed, with no comparison)."""
         indices = self.snapshots[device][0]
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            if all(map(self._same, indices)):
+        tensors = [self.small[i] for i in indices]
+        if (list(map(_SHAPE_DTYPE, tensors)) == [self.metas[i] for i in indices]
+                and list(map(_DATA_PTR, tensors)) == [self._pointers[i] for i in indices]
+                and all(map(fp.readable, tensors))):
+            with torch._C._DisableTorchDispatch():  # the views require no grad
                 return torch.cat(self._views[device])
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
             return [_bytes(self.small[i]).clone() if self._same(i) else None for i in indices]
 
     def _afters(self) -> dict[torch.device, torch.Tensor | list]:
