@@ -317,7 +317,10 @@ class Watch:
                                      fatal=True), None
         return None, recompute
 
-    def _value_difference(self, recompute: _Side, state: State | None) -> Detection | None:
+    def _value_difference(self, recompute: _Side, state: State | None,
+                          given_back: set[int] | None = None) -> Detection | None:
+        """``given_back``: the ids of the tensors an earlier recompute of the same backward
+        gave its contents back (theirs from before the first write: kept)."""
         forward = self.forward
         what = Verdict.OUTPUT if self.reentrant else Verdict.SAVED_TENSOR
         noun = "output" if self.reentrant else "saved tensor"
@@ -329,8 +332,14 @@ class Watch:
             restored = False
             if before is not None and not declared:  # its contents from before, back
                 for u, c in changed:
-                    if c is not None:
-                        restored = State.restore(u, c) or restored
+                    if c is None:
+                        continue
+                    if given_back is not None and id(u) in given_back:
+                        restored = True  # an earlier recompute's before: this one's held its write
+                    elif State.restore(u, c):
+                        restored = True
+                        if given_back is not None:
+                            given_back.add(id(u))
             shape = f"shape {list(t.shape)}, {str(t.dtype).removeprefix('torch.')}"
             more = f"; {len(changed) - 1} more such tensors" if len(changed) > 1 else ""
             return Detection(self.name(), self.site, Verdict.SIDE_EFFECT,
@@ -420,10 +429,12 @@ class _Check:
                 out.append((torch.stack(xs) != torch.stack(ys)).any())
         return out
 
-    def finish(self) -> None:
+    def finish(self, given_back: set[int] | None = None) -> None:
+        """Judge it in full (a suspect); ``given_back`` as ``Watch._value_difference``'s,
+        shared by a backward's checks judged in the order they were recomputed."""
         watch = self.watch
         try:
-            found = watch._value_difference(self.recompute, self.state)
+            found = watch._value_difference(self.recompute, self.state, given_back)
         except Exception as exc:
             watch._fail(exc)
             return

@@ -214,8 +214,11 @@ class RecomputeSanitizer:
                     suspects.add(i)
         for group in again.values():  # a second one, only there
             suspects.update(i for i, _ in _set(group))
-        for i in sorted(suspects):  # the suspects judged in full (they synchronise again)
-            pending[i].finish()
+        # The suspects judged in full (they synchronise again), in the order they were
+        # recomputed: a tensor two of them wrote gets the first one's contents from before.
+        given_back: set[int] = set()
+        for i in sorted(suspects):
+            pending[i].finish(given_back)
 
     def raise_pending(self) -> None:
         """Judge what is queued, and raise a detection whose region never ran again (done on
