@@ -99,7 +99,9 @@ def test_a_small_tensor_that_changes_shape_or_a_parameter_written_in_place_is_se
     t.resize_(4)
     assert [bool(f) for f in state.flags()] == [True]
     assert [u for u, _ in state.changed()][:1] == [t]
-    assert not _reach.State.restore(t, state.changed()[0][1])  # another size: not restorable
+    # grown, in another storage: not given its bytes back (``restore`` refuses another size)
+    assert state.changed()[0][1] is None
+    assert not _reach.State.restore(t, state.snapshots[torch.device("cpu")][1][:12])
 
 
 def test_a_fresh_walk_is_done_once_a_round_for_one_set_of_modules():
@@ -592,3 +594,61 @@ def test_a_module_bound_by_a_default_argument_is_reached():
 
     found = {id(t) for t in _reach.reached([f])}
     assert {id(t) for t in (*layer.parameters(), layer.calls, *other.parameters())} <= found
+
+
+@pytest.mark.parametrize("swap", ["data", "set_"])
+def test_a_small_tensor_given_a_storage_of_equal_bytes_is_no_change(swap):
+    """A table rebuilt and bound anew (``.data =``, ``set_``) with the bytes it had: the swap
+    moves the data pointer, the bytes are read where they are now and compared (a review of
+    ee39c4f: taken for changed without a comparison)."""
+    t = torch.ones(4)
+    state = _reach.State([t])
+    if swap == "data":
+        t.data = torch.ones(4)
+    else:
+        t.set_(torch.ones(4))
+    state.settle()
+    assert [bool(f) for f in state.flags()] == [False] and state.changed() == []
+
+
+@pytest.mark.parametrize("make", [lambda: torch.zeros(4, 3).t(),
+                                  lambda: torch.zeros(3, dtype=torch.complex64).conj()],
+                         ids=["transposed", "conjugate"])
+def test_a_write_into_a_small_tensor_whose_bytes_are_a_copy_is_seen(make):
+    """A transposed buffer or a conjugate complex one has no byte view: ``_bytes`` copies it,
+    and a copy taken at the snapshot, kept as its "view", froze it -- the recompute's write
+    was never seen (a review of ee39c4f). Its bytes are read again at ``settle``."""
+    t = make()
+    state = _reach.State([t])
+    t.add_(1)
+    state.settle()
+    assert [bool(f) for f in state.flags()] == [True]
+    assert [u for u, _ in state.changed()] == [t]
+
+
+def test_a_changed_tensor_given_another_storage_since_is_not_given_its_bytes_back():
+    """``restore`` writes into the storage the tensor has when the flush judges it: one given
+    another tensor's storage after the recompute (``set_``) is reported, not restored (its
+    bytes from before would land in the other tensor)."""
+    t, other = torch.zeros(3), torch.full((3,), 7.0)
+    state = _reach.State([t])
+    t.add_(1)
+    state.settle()
+    t.set_(other)
+    assert [(u, before) for u, before in state.changed()] == [(t, None)]
+
+
+def test_a_tensor_under_two_attributes_of_one_module_stays_reached_when_one_is_rebound():
+    """One tensor under two attributes of a module (directly, and in a plain object it holds):
+    both attributes are where it was found, so a rescan of the rebound one leaves it reached
+    through the other, as a fresh walk would (a review of 49a75f3)."""
+    t = torch.zeros(2)
+    a = torch.nn.Module()
+    a.x, a.cfg = t, types.SimpleNamespace(t=t)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([a], fresh=True)
+        a.x = torch.ones(3)
+        walks.new_round()
+        got = {id(u) for u in walks.reach([a], fresh=True)}
+    assert walks.walked == 1 and {id(t), id(a.x)} <= got

@@ -1024,3 +1024,59 @@ def test_a_tensor_two_recomputes_wrote_gets_its_contents_from_before_the_first(v
             x.sum().backward()
             assert float(block.calls) == 2.0  # all: both found, located on a next round
     assert float(block.calls) == 2.0
+
+
+def test_a_write_is_judged_undeclared_by_the_blocks_entered_during_its_own_recompute():
+    """A declared block (``recompute_may_differ``) entered by a later region's recompute does
+    not make an earlier region's undeclared write a declared one: what was entered is read
+    when each recompute ends (a review of ee39c4f: read at the backward's end)."""
+    from fixes.sanitize import recompute_may_differ
+
+    block = _Counted(3, writer=1)
+
+    def region(i):
+        if i != 0:
+            return _Counted.region(block, i)
+
+        def declaring_layer(h):
+            with recompute_may_differ("a stash put back"):
+                pass
+            return torch.tanh(block.layers[0](h))
+        return declaring_layer
+
+    block.region = region
+    with pytest.raises(RecomputeMismatchError, match="counted_layer"), \
+            recompute_sanitizer(values="none"):
+        block(torch.randn(4, 8, requires_grad=True), False).sum().backward()
+
+
+def test_a_hook_registered_before_the_step_that_writes_reached_state_is_no_difference():
+    """A grad hook registered once (at init) counts into a buffer the region reaches while the
+    backward runs -- after the recompute ended: not the recompute's write (compared at the
+    backward's end, it was taken for one)."""
+    lin = torch.nn.Linear(8, 8)
+    lin.register_buffer("grad_calls", torch.zeros(()))
+    lin.weight.register_hook(lambda g: lin.grad_calls.add_(1) and None)
+    for reentrant in (False, True):
+        with recompute_sanitizer(values="none") as sanitizer:
+            checkpoint(lambda h: torch.tanh(lin(h)), torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=reentrant).sum().backward()
+        assert sanitizer.recomputes == 1 and sanitizer.detections == 0
+
+
+def test_a_failure_of_the_snapshot_at_the_recompute_end_is_the_sanitizers_own(monkeypatch):
+    """``settle`` copies (it allocates, mid-backward): its failure is the sanitizer's own --
+    a warning, the region unchecked -- not the user's backward's."""
+    from fixes.sanitize import RecomputeSanitizerWarning, _reach
+
+    def fails(self, device):
+        raise torch.OutOfMemoryError("simulated: the copy at the recompute's end")
+
+    monkeypatch.setattr(_reach.State, "_now", fails)
+    lin = torch.nn.Linear(4, 4)
+    lin.register_buffer("b", torch.zeros(4))
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(RecomputeSanitizerWarning, match="simulated"), \
+            recompute_sanitizer(values="none"):
+        checkpoint(lambda h: lin(h), x, use_reentrant=False).sum().backward()
+    assert x.grad is not None

@@ -23,8 +23,10 @@ Per region (a ``Watch``):
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
 object that is no module), a rebound Python attribute, state outside tensors (a communicator
-handle, a Python counter) -- unless its effect reaches the saved tensors or outputs, where it
-is caught. Writes inside ``recompute_may_differ`` blocks are not told apart from the region's
+handle, a Python counter), a write the recompute causes after it ends (a hook it registers
+that fires later in the backward: each region is judged by what its recompute left when it
+ended, so a later region's write or the backward's own is not taken for it) -- unless its
+effect reaches the saved tensors or outputs, where it is caught. Writes inside ``recompute_may_differ`` blocks are not told apart from the region's
 own (the locator, ``_region``, tells them apart).
 
 When a recompute differs, ``values="all"`` locates it on the call site's next recompute: the
@@ -287,7 +289,11 @@ class Watch:
             self.found(self, found)
             return
         if state is not None:
-            state.settle()
+            try:  # it copies (allocates, mid-backward): a failure there is the sanitizer's
+                state.settle()
+            except Exception as exc:
+                self._fail(exc)
+                return
         self.stats.defer(_Check(self, recompute, state))
 
     def _shape_difference(self, tensors, stopped) -> tuple[Detection | None, _Side | None]:
@@ -328,7 +334,9 @@ class Watch:
         if changed:
             self.stats.outside_writes += len(changed)
             t, before = changed[0]
-            declared = _intended.entered() != state.declarations
+            # the blocks entered while its recompute ran (not a later region's)
+            ended = state.declared if state.declared is not None else _intended.entered()
+            declared = ended != state.declarations
             restored = False
             if before is not None and not declared:  # its contents from before, back
                 for u, c in changed:

@@ -450,9 +450,13 @@ class _Scan:
     def __init__(self):
         self.seen: set[int] = set()
         self._mine: dict[int, torch.Tensor] = {}  # the module's tensors, in the order found
+        # tensors met, counted again under each attribute: one under two attributes of a
+        # module is found under both (a rescan of one rebound leaves it reached by the other)
+        self._met = 0
 
     def _add(self, t: torch.Tensor) -> None:
         if type(t) in _PLAIN:
+            self._met += 1
             self._mine.setdefault(id(t), t)
 
     def _attribute(self, value, depth: int) -> None:
@@ -485,9 +489,9 @@ class _Scan:
         self.seen.add(id(value))
         keys = []
         for key, x in items[:_WIDE]:
-            before = len(self._mine)
+            before = self._met
             self._attribute(x, 1)
-            if len(self._mine) > before:
+            if self._met > before:
                 keys.append(key)
         return tuple(keys)
 
@@ -519,14 +523,14 @@ class _Scan:
             for name, value in attributes.items():  # no parameter / buffer
                 if _skipped(name, value):
                     continue
-                before = len(self._mine)
+                before = self._met
                 fields = None if isinstance(value, torch.Tensor) else _fields(value)
                 if fields is None or id(value) in self.seen:
                     self._attribute(value, 0)
                     keys = None  # a rescan reads it whole
                 else:
                     keys = self._held(value, fields)
-                if len(self._mine) > before:
+                if self._met > before:
                     found.append((name, keys))
         else:
             for name, keys in held:
@@ -672,9 +676,15 @@ class State:
         self._views: dict[torch.device, list[torch.Tensor]] = {}
         self._pointers = [t.data_ptr() for t in self.small]
         self._after: dict[torch.device, torch.Tensor | list] | None = None  # (``settle``)
+        self.declared: int | None = None  # ``_intended.entered()`` when the recompute ended
+        # devices where some "view" is a copy (a transposed, conjugate or negative-bit tensor
+        # has no byte view): read again at ``settle`` (a frozen copy hid the write)
+        self._copied: set[torch.device] = set()
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             for device, indices in groups.items():  # a copy: one kernel per device
                 views = self._views[device] = [_bytes(self.small[i]) for i in indices]
+                if list(map(_DATA_PTR, views)) != [self._pointers[i] for i in indices]:
+                    self._copied.add(device)
                 self.snapshots[device] = (indices, torch.cat(views))
 
     @property
@@ -686,21 +696,26 @@ class State:
         return list(zip(self._versioned, self._counts, strict=True))
 
     def _same(self, i: int) -> bool:
-        """Small tensor ``i`` of the shape, dtype and storage it had, and readable."""
+        """Small tensor ``i`` of the shape and dtype it had, and readable."""
         t = self.small[i]
-        return ((t.shape, t.dtype) == self.metas[i] and fp.readable(t)
-                and t.data_ptr() == self._pointers[i])
+        return (t.shape, t.dtype) == self.metas[i] and fp.readable(t)
 
     def _now(self, device: torch.device) -> torch.Tensor | list:
-        """A device's small tensors' bytes now: one copy where each is as the snapshot found
-        it, else one per tensor (None where it is not: changed, with no comparison)."""
+        """A device's small tensors' bytes now: one copy where each is of the shape and dtype
+        the snapshot found, else one per tensor (None where not: changed, with no
+        comparison). The snapshot's views are read where every tensor keeps its storage; a
+        storage swapped since (``set_``, ``.data =``: equal bytes there are no change) or a
+        view that was a copy is read where the bytes are now."""
         indices = self.snapshots[device][0]
         tensors = [self.small[i] for i in indices]
         if (list(map(_SHAPE_DTYPE, tensors)) == [self.metas[i] for i in indices]
-                and list(map(_DATA_PTR, tensors)) == [self._pointers[i] for i in indices]
                 and all(map(fp.readable, tensors))):
-            with torch._C._DisableTorchDispatch():  # the views require no grad
-                return torch.cat(self._views[device])
+            if device not in self._copied and list(map(_DATA_PTR, tensors)) == [
+                    self._pointers[i] for i in indices]:
+                with torch._C._DisableTorchDispatch():  # the views require no grad
+                    return torch.cat(self._views[device])
+            with torch.no_grad(), torch._C._DisableTorchDispatch():
+                return torch.cat([_bytes(t) for t in tensors])
         with torch.no_grad(), torch._C._DisableTorchDispatch():
             return [_bytes(self.small[i]).clone() if self._same(i) else None for i in indices]
 
@@ -735,6 +750,7 @@ class State:
         if self._after is None:
             self._after = self._afters()
             self._views = {}
+            self.declared = _intended.entered()
         if self._versioned is None:
             return
         now = list(map(_VERSION, self._versioned))
@@ -762,7 +778,11 @@ class State:
                         else after[k]
                     offset += n
                     if now is None or bool((now != before).any()):
-                        found.append((self.small[i], before))
+                        # given back only into the storage the snapshot read (a tensor
+                        # given another one's storage since would overwrite that one)
+                        t = self.small[i]
+                        found.append((t, before if t.data_ptr() == self._pointers[i]
+                                      else None))
         found += [(t, None) for t, v in self.versions if t._version != v]
         if not found:
             return found

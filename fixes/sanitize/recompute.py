@@ -190,7 +190,7 @@ class RecomputeSanitizer:
             return
         self._walks.new_round()  # a backward ended: values="all" walks its modules anew
         flags: dict = {}
-        small: dict = {}  # device -> (check, byte views now, snapshot) of every check's state
+        small: dict = {}  # device -> (check, bytes its recompute left, before) of each state
         suspects: set[int] = set()
         for i, check in enumerate(pending):
             if check.host_changed():
