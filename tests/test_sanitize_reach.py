@@ -535,17 +535,24 @@ def _two_holding_one():
     return torch.nn.ModuleList([a, b]), a, b
 
 
+def _checked_after_rebinding(root, holder):
+    """A fresh walk of ``root`` (values="all"), ``holder.x`` rebound, the walk checked on the
+    next round: the walks and the ids of what that round's reach found."""
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([root], fresh=True)
+        holder.x = torch.ones(3)
+        walks.new_round()
+        got = {id(t) for t in walks.reach([root], fresh=True)}
+    return walks, got
+
+
 def test_a_tensor_two_modules_hold_stays_reached_when_the_first_rebinds_it():
     """Checked each round (values="all"): ``a`` rebinds its attribute, the tensor lives on in
     ``b``. A walk that credited it to ``a`` alone lost it with ``a``'s rescan until the next
     fresh walk; a fresh walk finds both, so the checked walk must too."""
     model, a, b = _two_holding_one()
-    walks = _reach.Walks()
-    with walks.watching():
-        walks.reach([model], fresh=True)
-        a.x = torch.ones(3)
-        walks.new_round()
-        got = {id(t) for t in walks.reach([model], fresh=True)}
+    walks, got = _checked_after_rebinding(model, a)
     assert walks.walked == 1
     assert {id(a.x), id(b.y)} <= got
 
@@ -645,10 +652,5 @@ def test_a_tensor_under_two_attributes_of_one_module_stays_reached_when_one_is_r
     t = torch.zeros(2)
     a = torch.nn.Module()
     a.x, a.cfg = t, types.SimpleNamespace(t=t)
-    walks = _reach.Walks()
-    with walks.watching():
-        walks.reach([a], fresh=True)
-        a.x = torch.ones(3)
-        walks.new_round()
-        got = {id(u) for u in walks.reach([a], fresh=True)}
+    walks, got = _checked_after_rebinding(a, a)
     assert walks.walked == 1 and {id(t), id(a.x)} <= got
