@@ -119,3 +119,37 @@ def test_the_detect_tier_synchronises_at_most_once_a_backward(values, reentrant)
         sanitized = _synchronising_calls(step)
     assert sanitizer.recomputes == 8 and sanitizer.detections == 0
     assert sanitized - plain <= 1, (plain, sanitized)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("values", ["all", "none"])
+def test_a_cuda_write_is_named_for_the_recompute_that_made_it(values, reentrant):
+    """The small state is copied on the device when each recompute ends (the recompute's own
+    stream order), so the first layer's recompute -- run last -- is named for its write into a
+    CUDA buffer every region reaches, not the regions recomputed before it."""
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3)).cuda()
+    for layer in layers:
+        layer.register_buffer("calls", torch.zeros((), device="cuda"))
+
+    def region(i):
+        layer = layers[i]
+
+        def counted_layer(h):
+            layer.calls.add_(1)
+            return torch.tanh(layer(h))
+
+        def plain_layer(h):
+            assert layers[i] is layer  # the whole block in the closure, as megatron's
+            return torch.tanh(layer(h))
+
+        return counted_layer if i == 0 else plain_layer
+
+    with pytest.raises(RecomputeMismatchError) as caught, recompute_sanitizer(values=values):
+        for _ in range(2):
+            h = torch.randn(8, 64, device="cuda", requires_grad=True)
+            for i in range(3):
+                h = checkpoint(region(i), h, use_reentrant=reentrant)
+            h.sum().backward()
+    assert "counted_layer" in str(caught.value) and "plain_layer" not in str(caught.value)
+    if values == "all":
+        assert caught.value.op == "aten.add_.Tensor"
