@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("EVIDENCE", "gpu-evidence"),
                    help="where the logs, JSON and run.json go ($EVIDENCE)")
     p.add_argument("--parallel", action="store_true",
-                   help="start every step at once, then those whose figures are times alone")
+                   help="first the steps whose figures are times, one at a time; then every "
+                   "other step at once")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the targets and their commands")
     args = p.parse_args(argv)

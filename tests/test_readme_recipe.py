@@ -61,3 +61,20 @@ def test_the_readmes_recipe_passes_as_a_users_test_file(pytester, flags):
                               r.seconds)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     result.assert_outcomes(passed=2)
+
+
+def runnable_blocks() -> list[str]:
+    return re.findall(r"<!-- runnable:begin[^>]*-->\s*```python\n(.*?)```\s*<!-- runnable:end -->",
+                      README.read_text(), re.S)
+
+
+def test_the_readmes_runnable_snippets_run_as_written():
+    """A snippet a user copies (``runnable`` markers: self-contained, CPU) runs as written, in
+    a child (a newcomer's pass found ``context_fn=mesh_preserving_context_fn()``, a call where
+    the function itself belongs: ``TypeError: 'tuple' object is not callable``)."""
+    blocks = runnable_blocks()
+    assert blocks, "README.md has no block between <!-- runnable:begin --> and :end"
+    for block in blocks:
+        r = run_isolated(code=block, cwd=str(README.parent), timeout=300, forkserver=True)
+        assert r.returncode == 0, block + r.stdout[-2000:] + r.stderr[-3000:]
+

@@ -654,3 +654,16 @@ def test_a_tensor_under_two_attributes_of_one_module_stays_reached_when_one_is_r
     a.x, a.cfg = t, types.SimpleNamespace(t=t)
     walks, got = _checked_after_rebinding(a, a)
     assert walks.walked == 1 and {id(t), id(a.x)} <= got
+
+
+def test_a_reached_tensor_is_named_by_its_path_from_the_outermost_module():
+    block = torch.nn.Module()
+    block.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    block.layers[0].dispatcher = types.SimpleNamespace(counts=torch.zeros(2))
+    arg, stray = torch.ones(2), torch.ones(2)
+    roots = [block.layers[0], block, arg]  # the inner module first: the outer one names it
+    assert _reach.tensor_name(block.layers[0].weight, roots) == "Module.layers.0.weight"
+    assert _reach.tensor_name(block.layers[0].dispatcher.counts, roots) == (
+        "Module.layers.0.dispatcher.counts")
+    assert _reach.tensor_name(arg, roots) == "the region's argument"
+    assert _reach.tensor_name(stray, roots) is None

@@ -964,7 +964,8 @@ class _Counted(torch.nn.Module):
         block, layer = self, self.layers[i]
 
         def counted_layer(h):
-            layer.calls.add_(1)  # LINE-WRITE
+            assert block.layers[i] is layer  # the whole block in the closure, as megatron's
+            layer.calls.add_(1)
             return torch.tanh(layer(h))
 
         def plain_layer(h):
@@ -1080,3 +1081,16 @@ def test_a_failure_of_the_snapshot_at_the_recompute_end_is_the_sanitizers_own(mo
             recompute_sanitizer(values="none"):
         checkpoint(lambda h: lin(h), x, use_reentrant=False).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("values", ["all", "none"])
+def test_a_write_outside_the_region_names_the_tensor_where_the_region_holds_it(values):
+    """The detect tier's finding names the buffer by its path from the outermost module the
+    region holds (``_Counted.layers.0.calls``), not only its shape: a newcomer's pass found
+    "a tensor outside the region (shape [], float32)" not enough to act on. ``all`` with one
+    step raises it when the sanitizer exits (no next round to locate it in)."""
+    block = _Counted(3, writer=0)
+    with pytest.raises(RecomputeMismatchError) as caught, recompute_sanitizer(values=values):
+        block(torch.randn(4, 8, requires_grad=True), True).sum().backward()
+    assert "_Counted.layers.0.calls" in str(caught.value)
+    assert "would have located it" not in str(caught.value)

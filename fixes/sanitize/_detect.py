@@ -50,7 +50,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Verdict
-from fixes.sanitize._reach import Reached, State, Walks, reached
+from fixes.sanitize._reach import Reached, State, Walks, reached, tensor_name
 
 __all__ = ["Detection", "Watch"]
 
@@ -173,9 +173,12 @@ class Watch:
     def name(self) -> str:
         return f"{self.label} ({self.kind}, checkpointed at {describe_site(self.site)})"
 
-    def reached(self) -> Reached | list[torch.Tensor]:
+    def _live_roots(self) -> list:
         roots = [r() if isinstance(r, weakref.ref) else r for r in self._roots]
-        roots = [r for r in roots if r is not None]
+        return [r for r in roots if r is not None]
+
+    def reached(self) -> Reached | list[torch.Tensor]:
+        roots = self._live_roots()
         if self._walks is None:
             return reached(roots)
         return self._walks.reach(roots, self._fresh)
@@ -349,6 +352,8 @@ class Watch:
                         if given_back is not None:
                             given_back.add(id(u))
             shape = f"shape {list(t.shape)}, {str(t.dtype).removeprefix('torch.')}"
+            where = tensor_name(t, self._live_roots())
+            shape = f"{where}, {shape}" if where else shape
             more = f"; {len(changed) - 1} more such tensors" if len(changed) > 1 else ""
             return Detection(self.name(), self.site, Verdict.SIDE_EFFECT,
                              f"a tensor outside the region ({shape})",

@@ -64,7 +64,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
 __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
-           "changed_flags", "reached", "roots_of"]
+           "changed_flags", "reached", "roots_of", "tensor_name"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -372,6 +372,27 @@ class Walks:
 
     def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
         return list(self.reach(roots, fresh))
+
+
+def tensor_name(t: torch.Tensor, roots) -> str | None:
+    """Where ``t`` sits among what ``roots`` reach (a finding's message; not on a hot path):
+    its path from the outermost module holding it -- ``Block.layers.0.calls`` for a
+    parameter, buffer or tensor attribute, one level into a plain object or dict an attribute
+    holds (megatron's token dispatcher) -- or "the region's argument"; None where not found."""
+    tensors, modules = _roots(roots)
+    inner = {id(sub) for m in modules.values() for sub in itertools.islice(m.modules(), 1, None)}
+    for root in (m for i, m in modules.items() if i not in inner):
+        for prefix, sub in root.named_modules(remove_duplicate=False):
+            path = ".".join(filter(None, (type(root).__name__, prefix)))
+            for name, value in itertools.chain(sub._parameters.items(), sub._buffers.items(),
+                                               sub.__dict__.items()):
+                if value is t:
+                    return f"{path}.{name}"
+                fields = None if isinstance(value, torch.Tensor) else _fields(value)
+                for key, x in (list(fields.items())[:_WIDE] if fields is not None else ()):
+                    if x is t:
+                        return f"{path}.{name}.{key}"
+    return "the region's argument" if id(t) in tensors else None
 
 
 def _tensor(tensors: dict, t: torch.Tensor) -> None:

@@ -232,7 +232,8 @@ class RecomputeSanitizer:
                 self.declared_writes += 1
             else:
                 raise unlocated_error(found, "the program ran no further region at its call "
-                                      "site, where values='all' would have located it")
+                                      "site (values='all' locates a divergence on the call "
+                                      "site's next recompute, in the next step)")
 
     def recomputed(self, site) -> None:
         count = self._sites.get(site[:1])
