@@ -692,8 +692,8 @@ class State:
         self._settled: list[tuple[torch.Tensor, int]] = []
         # The byte views of the snapshot, kept until ``settle`` copies them again: views of
         # the same storages, made once. Each tensor's data pointer with them: a tensor given
-        # another storage (``set_``, ``.data =``) leaves its view reading the old one, so the
-        # swap itself counts as a change.
+        # another storage (``set_``, ``.data =``) leaves its view reading the old one, so its
+        # bytes are then read where they are now (``_now``).
         self._views: dict[torch.device, list[torch.Tensor]] = {}
         self._pointers = [t.data_ptr() for t in self.small]
         self._after: dict[torch.device, torch.Tensor | list] | None = None  # (``settle``)
@@ -748,8 +748,8 @@ class State:
 
     def pairs(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None]:
         """Per device: the small tensors' bytes as the recompute left them and the snapshot
-        from before (``changed_flags`` compares them), or None where one changed shape, dtype
-        or storage or can no longer be read (changed, without a comparison)."""
+        from before (``changed_flags`` compares them), or None where one changed shape or
+        dtype or can no longer be read (changed, without a comparison)."""
         return {device: (after, self.snapshots[device][1])
                 if isinstance(after, torch.Tensor) else None
                 for device, after in self._afters().items()}
@@ -837,7 +837,7 @@ def changed_flags(items: list[tuple[object, torch.Tensor, torch.Tensor]],
 
 def any_changed(items: list[tuple[object, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One 0-d bool device tensor: some bit of any of ``items`` (as ``changed_flags``) changed
-    -- a backward's regions in one comparison (four kernels, not three a region); only where
+    -- a backward's regions in one comparison (four kernels, not two a region); only where
     it is set does each region need its own flag. No synchronisation."""
     with torch.no_grad(), torch._C._DisableTorchDispatch():
         now = torch.cat([after for _, after, _ in items])
