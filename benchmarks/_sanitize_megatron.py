@@ -74,9 +74,10 @@ def _mode(name: str):
     return recompute_sanitizer(values=MODES[name])
 
 
-def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int, *,
-            aux_loss: float = 0.0, recompute: str = "full", clock: str = "wall",
-            profile: str | None = None) -> dict:
+def cell_step(model: str, device: str, hidden: int, seq: int, dtype: str, *,
+              aux_loss: float = 0.0, recompute: str = "full"):
+    """(the model, its step): one training step of the cell -- zeroed gradients, forward,
+    backward, the device synchronised -- returning copies of the gradients."""
     import torch
 
     from benchmarks.megatron_scale import _build
@@ -94,17 +95,23 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
     labels = torch.randint(0, 32000, (1, seq), generator=g).to(device)
     pos = torch.arange(seq, device=device).unsqueeze(0)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).tril().logical_not()
-    now = time.thread_time if clock == "thread" else time.perf_counter
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
 
     def step():
         gpt.zero_grad(set_to_none=True)
         gpt(ids, pos, mask, labels=labels).float().sum().backward()
-        sync()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return [p.grad.detach().clone() for p in gpt.parameters() if p.grad is not None]
+
+    return gpt, step
+
+
+def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: int, *,
+            aux_loss: float = 0.0, recompute: str = "full", clock: str = "wall",
+            profile: str | None = None) -> dict:
+    _, step = cell_step(model, device, hidden, seq, dtype, aux_loss=aux_loss,
+                        recompute=recompute)
+    now = time.thread_time if clock == "thread" else time.perf_counter
 
     def distance(a, b):
         return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))

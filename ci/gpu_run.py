@@ -226,6 +226,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # verl's own Megatron engine, three runs per model (ci/gpu_verl_engine.sh; its wheels)
         "verl-engine": [Step("verl-engine", ["bash", "ci/gpu_verl_engine.sh", "run"], 560,
                              env={"EVIDENCE": out})],
+        # where the spread of the sanitizer bench's step times comes from (per-step times of
+        # the unsanitized cells under the bench's pattern, gc off, pinned; the sanitizer
+        # toggled on and off step by step), alone on the GPU
+        "step-noise": [Step("step-noise", [
+            PY, "-m", "benchmarks.step_noise", "--device", "cuda", "--steps", "40",
+            "--values", "none,sampled,all", "--json", o("step-noise.json"),
+            *(a for c in ("moe:1024x2048:bf16:0:full", "gpt-mtp:1024x2048:bf16:0:full",
+                          "moe:1024x2048:fp32:0.01:moe-layer") for a in ("--cell", c))],
+            300, json="step-noise.json", alone=True)],
         # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
         # threads; the CPU suite on the GPU host
         "child-phases": [Step("child-phases-cuda", [

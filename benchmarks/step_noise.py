@@ -1,0 +1,211 @@
+"""Where the spread of a megatron cell's step time comes from on this host.
+
+The sanitizer's step-time ratios (``benchmarks._sanitize_megatron``) are medians of interleaved
+rounds; on the H200 the unsanitized MoE step alone spread 63-98 ms from round to round, wider
+than the costs being measured. This probe times the unsanitized step of one cell under a few
+variants, each step on its own, and records beside each step's wall time what could explain it:
+
+- ``consecutive``: steps back to back, the collector frozen after warm-up (as the bench runs);
+- ``rounds``: the bench's pattern -- a full collection, one step, then the timed step;
+- ``gc-off``: the collector disabled;
+- ``pinned``: this thread (and what it starts) on one CPU;
+- ``toggled``: ``recompute_sanitizer(values=...)`` entered once per values mode and switched
+  on and off step by step: the left-on cost paired with an unsanitized step one step apart
+  (``toggled-<values>-on`` / ``toggled-<values>-off``, and their step-by-step ratios).
+
+Per step: wall time, this thread's CPU time, its involuntary and voluntary context switches,
+the collector's time and collections inside the step, and (CUDA) the allocator's device
+allocations. Per variant: median, 10th-90th percentile, the lag-1 autocorrelation of the wall
+times (near 0: step-to-step noise, which more steps average out; near 1: drift, which
+interleaving cancels). Writes JSON (``--json``) and prints one line per variant.
+
+    python -m benchmarks.step_noise --device cuda --cell moe:1024x2048:bf16:0:full --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import resource
+import statistics
+import time
+
+VARIANTS = ("consecutive", "rounds", "gc-off", "pinned", "toggled")
+
+
+class _GcClock:
+    """Time spent in the collector, and its collections, while installed."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.collections = 0
+        self._start = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections += 1
+
+
+def _timed(step, device: str, gc_clock: _GcClock) -> dict:
+    import torch
+
+    def allocs():
+        return torch.cuda.memory_stats().get("num_device_alloc", 0) if device == "cuda" else 0
+
+    a0, r0, g0, n0 = allocs(), resource.getrusage(resource.RUSAGE_THREAD), gc_clock.seconds, \
+        gc_clock.collections
+    w0, c0 = time.perf_counter(), time.thread_time()
+    step()
+    w1, c1 = time.perf_counter(), time.thread_time()
+    r1 = resource.getrusage(resource.RUSAGE_THREAD)
+    return {"wall_s": w1 - w0, "cpu_s": c1 - c0, "involuntary": r1.ru_nivcsw - r0.ru_nivcsw,
+            "voluntary": r1.ru_nvcsw - r0.ru_nvcsw, "gc_s": gc_clock.seconds - g0,
+            "gc_collections": gc_clock.collections - n0, "device_allocs": allocs() - a0}
+
+
+def _lag1(xs: list[float]) -> float:
+    if len(xs) < 3:
+        return float("nan")
+    m = statistics.fmean(xs)
+    den = sum((x - m) ** 2 for x in xs)
+    return sum((a - m) * (b - m) for a, b in zip(xs[:-1], xs[1:], strict=True)) / den if den else 0.0
+
+
+def summary(steps: list[dict]) -> dict:
+    walls = [s["wall_s"] for s in steps]
+    q = statistics.quantiles(walls, n=10) if len(walls) >= 2 else [walls[0]] * 9
+    return {"steps": len(walls), "median_s": statistics.median(walls), "p10_s": q[0],
+            "p90_s": q[-1], "spread": (q[-1] - q[0]) / statistics.median(walls),
+            "lag1": _lag1(walls),
+            "cpu_over_wall": statistics.median(s["cpu_s"] / s["wall_s"] for s in steps),
+            "involuntary": sum(s["involuntary"] for s in steps),
+            "gc_s": sum(s["gc_s"] for s in steps),
+            "device_allocs": sum(s["device_allocs"] for s in steps)}
+
+
+def probe(step, device: str, n: int, variants, values: list[str]) -> dict:
+    clock = _GcClock()
+    gc.callbacks.append(clock)
+    out: dict[str, list[dict]] = {}
+    try:
+        for _ in range(3):
+            step()
+        gc.collect()
+        gc.freeze()
+        for v in variants:
+            if v == "consecutive":
+                out[v] = [_timed(step, device, clock) for _ in range(n)]
+            elif v == "rounds":
+                out[v] = []
+                for _ in range(n):
+                    gc.collect()
+                    step()
+                    out[v].append(_timed(step, device, clock))
+            elif v == "gc-off":
+                gc.disable()
+                try:
+                    out[v] = [_timed(step, device, clock) for _ in range(n)]
+                finally:
+                    gc.enable()
+            elif v == "pinned":
+                before = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, {min(before)})
+                try:
+                    out[v] = [_timed(step, device, clock) for _ in range(n)]
+                finally:
+                    os.sched_setaffinity(0, before)
+            elif v == "toggled":
+                for mode in values:
+                    out.update(_toggled(step, device, n, mode, clock))
+    finally:
+        gc.unfreeze()
+        gc.callbacks.remove(clock)
+    result = {name: {"summary": summary(steps), "steps": steps} for name, steps in out.items()}
+    for mode in values:
+        on, off = out.get(f"toggled-{mode}-on"), out.get(f"toggled-{mode}-off")
+        if on:
+            pairs = [a["wall_s"] / b["wall_s"] for a, b in zip(on, off, strict=True)]
+            result[f"toggled-{mode}-ratio"] = {"median": statistics.median(pairs),
+                                              "repeats": pairs}
+    return result
+
+
+def _toggled(step, device: str, n: int, values: str, clock: _GcClock) -> dict[str, list]:
+    """The sanitizer entered once, on for even steps and off for odd ones."""
+    from fixes.sanitize import recompute_sanitizer
+
+    on = [True]
+    got: dict[str, list] = {f"toggled-{values}-on": [], f"toggled-{values}-off": []}
+    with recompute_sanitizer(values=values) as sanitizer:
+        sanitizer._on = lambda: on[0]  # benchmark-only: the switch its wrappers read
+        for _ in range(2):  # the entry and the first walk of the modules, off the clock
+            step()
+        for i in range(2 * n):
+            on[0] = i % 2 == 0
+            got[f"toggled-{values}-{'on' if on[0] else 'off'}"].append(
+                _timed(step, device, clock))
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks._sanitize_megatron import cell_arg, cell_step
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_noise")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--cell", action="append", required=True,
+                   metavar="MODEL:SIZE:DTYPE:AUX:RECOMPUTE")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per variant")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--values", default="none",
+                   help="the toggled sanitizer's values modes, comma-separated, of all, "
+                   "sampled, none")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: {', '.join(bad)} not allowed; allowed: {', '.join(VARIANTS)}")
+    values = [v for v in args.values.split(",") if v]
+    if not values or any(v not in ("all", "sampled", "none") for v in values):
+        p.error(f"--values {args.values!r}: allowed: all, sampled, none (comma-separated)")
+    results = {}
+    for text in args.cell:
+        model, size, dtype, aux, recompute = cell_arg(text, p)
+        hidden, seq = (int(v) for v in size.split("x"))
+        gpt, step = cell_step(model, args.device, hidden, seq, dtype, aux_loss=aux,
+                              recompute=recompute)
+        results[text] = r = probe(step, args.device, args.steps, variants, values)
+        for name, got in r.items():
+            if "summary" in got:
+                s = got["summary"]
+                print(f"STEP-NOISE {text} {name:20s} median {s['median_s'] * 1e3:7.2f} ms  "
+                      f"p10-p90 {s['p10_s'] * 1e3:7.2f}-{s['p90_s'] * 1e3:7.2f} "
+                      f"({s['spread']:.1%})  lag1 {s['lag1']:+.2f}  cpu/wall "
+                      f"{s['cpu_over_wall']:.2f}  invol {s['involuntary']}  gc "
+                      f"{s['gc_s'] * 1e3:.1f} ms  device allocs {s['device_allocs']}",
+                      flush=True)
+        for mode in values:
+            if f"toggled-{mode}-ratio" in r:
+                print(f"STEP-NOISE {text} toggled {mode}: on/off median ratio "
+                      f"{r[f'toggled-{mode}-ratio']['median']:.3f}", flush=True)
+        del gpt, step
+        gc.collect()
+        with contextlib.suppress(Exception):
+            import torch
+
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "steps": args.steps, "cells": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
