@@ -6,22 +6,22 @@ and its step-time cost.
 One child interpreter per (model, device): build, the model's first two steps under the
 sanitizer (the detect tier; the locator would run in the second only after a detection in the
 first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
-within what two unsanitized steps differ by), then ``steps`` rounds of each mode, interleaved
-(none, all, sampled, metadata-only, and the sanitizer entered with no region watched,
-``_entered_no_region``; ``benchmarks._spread``). A round enters the mode and runs
-``TIMED_STEPS + 1`` steps: the mean of the last ``TIMED_STEPS`` is its time -- steps of a
-sanitizer left on, as a training run enters it once (``values="sampled"`` / ``"none"`` keep
-their walk of the modules from step to step, ``fixes.sanitize._reach.Walks``) -- and the
-first, which pays the entry and the first walk, is recorded beside it (``*_first_step_*``).
-Prints ``SANITIZE-MEGATRON {json}``: regions, tensors compared, detections, the fresh walks of
-the modules, the gradient distances, per mode the median step time and the median of the
-round-by-round ratios, each with every round (``*_repeats``).
+within what two unsanitized steps differ by), then ``steps`` pairs of adjacent steps per mode
+(``paired_step_times``): the sanitizer entered with no region watched (``_entered_no_region``)
+against an unsanitized step, and each values mode (all, sampled, metadata-only), entered once
+and left on as a training run enters it (``values="sampled"`` / ``"none"`` keep their walk of
+the modules from step to step, ``fixes.sanitize._reach.Walks``), against the same sanitizer
+switched off for the other step of the pair. Adjacent steps, not interleaved rounds: on the
+H200 a cell's unsanitized steps drift by a quarter with a lag-one autocorrelation of 0.5-0.8
+(``benchmarks.step_noise``), which spread the round-by-round ratios 0.7-1.3, wider than the
+costs measured. Prints ``SANITIZE-MEGATRON {json}``: regions, tensors compared, detections,
+the fresh walks of the modules, the gradient distances, per mode the median step time and the
+median of the pairs' ratios, each with every pair (``*_repeats``), and the step that entered
+the mode (``*_first_step_*``: the entry and the first walk).
 
-Each round starts with the collector's young generations empty, what lived after the first
+Each pair starts with the collector's young generations empty, what lived after the first
 steps frozen out of it (``gc.freeze``): a collection of the imports' million objects is then
-no round's alone. (Whether that was the spread of the unsanitized control, 0.85-1.05 at
-7388bb7 on the H200, is not shown: the next H200 runs came after the refresh's memory
-sessions, on a slower host.)
+no pair's alone.
 
 ``--clock thread`` (CPU, one intra-op thread) times this thread's CPU time instead of the wall:
 what other processes' load on a shared machine does not add. ``--profile PATH`` also writes,
@@ -44,8 +44,6 @@ import json
 import pstats
 import statistics
 import time
-
-from benchmarks._spread import interleaved, ratios_to
 
 # mode name -> recompute_sanitizer(values=...); "recompute-entered": entered, no region run
 MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
@@ -136,50 +134,104 @@ def measure(model: str, device: str, hidden: int, seq: int, dtype: str, steps: i
               "declared_ops": sanitizer.declared_ops, "module_walks": sanitizer.module_walks,
               "grad_noise": noise,
               "grad_distance": distance(sanitized, reference)}
-    first: dict[str, list[float]] = {name: [] for name in MODES}
-
-    def timed_step(name: str) -> float:
-        """The mode entered for ``TIMED_STEPS + 1`` steps: the mean time of the last
-        ``TIMED_STEPS``; the first's kept in ``first``."""
-        gc.collect()  # the young generations empty: every round's collections alike
-        with _mode(name):
-            t0 = now()
-            step()
-            t1 = now()
-            for _ in range(TIMED_STEPS):
-                step()
-            t2 = now()
-        first[name].append(t1 - t0)
-        return (t2 - t1) / TIMED_STEPS
-
-    # Rounds alike for the collector (steps of 30-80 ms; an unsanitized control read 0.85-1.05
-    # at 7388bb7): what lived after the first steps (modules, the model, its state) is frozen
-    # out of it -- a long run's steady state; Megatron-LM's --manual-gc exists for collection
-    # jitter -- and each round starts with the young generations empty. A collection the
-    # step's own allocations trigger is still inside its time.
-    gc.collect()
-    gc.freeze()
-    try:
-        times = interleaved(list(MODES), timed_step, steps)
-    finally:
-        gc.unfreeze()
-    for prefix, measured in (("", times), ("first_", first)):
-        ratios = ratios_to(measured, "none")
-        for name in MODES:
-            result[f"{name}_{prefix}step_s"] = statistics.median(measured[name])
-            result[f"{name}_{prefix}step_s_repeats"] = measured[name]
-            result[f"{name}_{prefix}step_time_ratio"] = statistics.median(ratios[name])
-            result[f"{name}_{prefix}step_time_ratio_repeats"] = ratios[name]
+    result.update(paired_step_times(step, now, steps))
     if profile:
         _profile(step, profile)
     return result
 
 
-# Steps timed per round, after the one that enters the mode: their mean is the round's time.
-# One, measured: three (91b69ff) did not narrow the rounds' spread on the H200's host-bound
-# cells (the no-op control 0.72-1.30 a round, as with one) and took the refresh ~65 s more
-# (benchmarks/results/evidence/2026-12-04-h200-refresh3/). The spread is not step-to-step jitter.
-TIMED_STEPS = 1
+def _left_on(name: str, timed, pair, rounds: int) -> tuple[float, list[float], list[float]]:
+    """Mode ``name`` entered once: (the step that entered it and made the first walk, then
+    ``rounds`` pairs' steps on, and off)."""
+    on, off = [], []
+    with _mode(name) as sanitizer:
+        switch = [True]
+        sanitizer._on = lambda: switch[0]  # benchmark-only: the switch its wrappers read
+
+        def switched(state: bool) -> float:
+            switch[0] = state
+            return timed()
+
+        first = timed()
+        for i in range(rounds):
+            t_on, t_off = pair(i, lambda: switched(True), lambda: switched(False))
+            on.append(t_on)
+            off.append(t_off)
+    return first, on, off
+
+
+def paired_step_times(step, now, rounds: int) -> dict:
+    """Each mode's step time against the step next to it, ``rounds`` pairs each (the order
+    swapped every round: a drift within a pair cancels over two): the ``entered`` control
+    against an unsanitized step (entered for two steps, the second timed), and each values
+    mode, entered once and left on -- as a training run enters it -- against the same
+    sanitizer switched off for the other step of the pair (its wrappers passing the regions
+    straight to the checkpoint: what ``entered`` measures). On the H200 the unsanitized steps
+    of a cell drift by a quarter from step to step with a lag-one autocorrelation of 0.5-0.8
+    (``benchmarks.step_noise``): a mode's steps compared with the control's a mode-round
+    apart spread 0.7-1.3; adjacent steps share the drift.
+
+    Per mode: ``<mode>_step_s`` (median), ``<mode>_step_time_ratio`` (the median of the
+    pairs' ratios), each with every pair (``*_repeats``); a values mode's switched-off steps
+    (``<mode>_off_step_s``), and the step that entered it and made the first walk
+    (``<mode>_first_step_s``, and its ratio to the median unsanitized step)."""
+    times: dict[str, list[float]] = {name: [] for name in MODES}
+    ratios: dict[str, list[float]] = {name: [] for name in MODES}
+    result: dict = {}
+
+    def timed() -> float:
+        t0 = now()
+        step()
+        return now() - t0
+
+    def pair(i: int, first, second) -> tuple[float, float]:
+        """(the first's time, the second's), run in this order on even rounds, swapped on odd
+        ones; the young generations emptied before (off the clock)."""
+        gc.collect()
+        if i % 2:
+            b = second()
+            return first(), b
+        a = first()
+        return a, second()
+
+    def entered() -> float:
+        with _entered_no_region():
+            step()  # the entry's first step, off the clock: the entered control is left on
+            return timed()
+
+    # What lived after the first steps (modules, the model, its state) is frozen out of the
+    # collector -- a long run's steady state; Megatron-LM's --manual-gc exists for collection
+    # jitter. A collection the step's own allocations trigger is still inside its time.
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(rounds):
+            plain, control = pair(i, timed, entered)
+            times["none"].append(plain)
+            ratios["none"].append(1.0)
+            times["recompute-entered"].append(control)
+            ratios["recompute-entered"].append(control / plain)
+        for name in MODES:
+            if MODES[name] in (None, "entered"):
+                continue
+            first, on, off = _left_on(name, timed, pair, rounds)
+            times[name] += on
+            ratios[name] += [a / b for a, b in zip(on, off, strict=True)]
+            result[f"{name}_first_step_s"] = first
+            result[f"{name}_off_step_s"] = statistics.median(off)
+            result[f"{name}_off_step_s_repeats"] = off
+            result[f"{name}_first_step_time_ratio"] = (result[f"{name}_first_step_s"]
+                                                       / statistics.median(times["none"]))
+    finally:
+        gc.unfreeze()
+    for name in MODES:
+        result[f"{name}_step_s"] = statistics.median(times[name])
+        result[f"{name}_step_s_repeats"] = times[name]
+        result[f"{name}_step_time_ratio"] = statistics.median(ratios[name])
+        result[f"{name}_step_time_ratio_repeats"] = ratios[name]
+    return result
+
+
 PROFILED_STEPS = 5  # per mode, after the step that enters it
 
 

@@ -5,7 +5,9 @@ alive (every op then has its tensor arguments checked: the slow path); and under
 ``recompute_sanitizer()`` in full (op, metadata and value fingerprints of every op), sampled
 (``values="sampled"``: fingerprints of every 8th op and the last) and metadata-only
 (``values="none"``). The recompute sanitizer also runs on real megatron-core models (MoE GPT,
-GPT+MTP; ``benchmarks._sanitize_megatron``, one child each): no false positive, and its cost.
+GPT+MTP; ``benchmarks._sanitize_megatron``, one child each): no false positive, and its cost,
+measured there by adjacent steps (each values mode left on against itself switched off, and
+the sanitizer entered with no region watched against no sanitizer).
 
 The strategies run interleaved round by round (``benchmarks._spread``: clock and load drift hit
 all alike). Figures: ``step_time_s``, the median of the rounds, and
@@ -127,6 +129,44 @@ def test_the_figures_are_medians_of_interleaved_rounds_with_every_round_recorded
     assert not any("_min_" in k for k in figures)
 
 
+@pytest.mark.cpu
+def test_megatron_cells_pair_adjacent_steps_so_a_drift_cancels(monkeypatch):
+    """``paired_step_times`` on a virtual clock whose steps slow by 1% each and cost 1.25x
+    while a region is recorded: every values mode reads its 1.25 and the entered control its
+    1.0 (a mode compared with the unsanitized steps of an earlier block would read the drift:
+    ~1.6 here), each pair recorded."""
+    from benchmarks import _sanitize_megatron as sm
+
+    live, clock, count = [], [0.0], [0]
+    real_mode = sm._mode
+
+    @contextlib.contextmanager
+    def capturing(name):
+        with real_mode(name) as sanitizer:
+            live.append(sanitizer)
+            yield sanitizer
+
+    monkeypatch.setattr(sm, "_mode", capturing)
+    x = torch.ones(3, requires_grad=True)
+
+    def step():
+        before = sum(s.regions for s in live)
+        torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+        count[0] += 1
+        clock[0] += (1 + 0.01 * count[0]) * (1.25 if sum(s.regions for s in live) > before
+                                              else 1.0)
+
+    got = sm.paired_step_times(step, lambda: clock[0], rounds=6)
+    for mode in ("recompute", "recompute-sampled", "recompute-metadata"):
+        assert got[f"{mode}_step_time_ratio"] == pytest.approx(1.25, abs=0.02), mode
+        assert len(got[f"{mode}_step_time_ratio_repeats"]) == 6
+        assert got[f"{mode}_off_step_s"] < got[f"{mode}_step_s"]
+    assert got["recompute-entered_step_time_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert got["none_step_time_ratio_repeats"] == [1.0] * 6
+    # unpaired, the last mode against the first block's unsanitized steps reads the drift
+    assert got["recompute-metadata_step_s"] / got["none_step_s"] > 1.5
+
+
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
 def test_sanitizers_change_no_gradient(device):
     """Each sanitizer's grads differ from the unsanitized run's by no more than two unsanitized
@@ -156,13 +196,16 @@ def test_sanitizers_change_no_gradient(device):
 # recompute and under selective recompute of the MoE layer and core attention.
 # CPU: small and single-threaded (on a shared 2-core machine two intra-op threads per process
 # turned every extra kernel into a thread wake-up and the ratio into a measure of the load).
+# ``steps``: pairs of adjacent steps per mode (benchmarks._sanitize_megatron.paired_step_times);
+# on the H200 40 pairs put a median's 90% bootstrap interval within +-2% (benchmarks.step_noise).
 MEGATRON_CELLS = {
-    "cpu": [("moe", "128x128", "fp32", 9, 0.0, "full"), ("moe", "128x128", "fp32", 9, 0.01, "full"),
-            ("moe", "128x128", "fp32", 9, 0.01, "moe-layer"),
-            ("gpt-mtp", "128x128", "fp32", 9, 0.0, "full")],
-    "cuda": [(m, "1024x2048", d, 10, 0.0, "full") for m in ("moe", "gpt-mtp")
+    "cpu": [("moe", "128x128", "fp32", 10, 0.0, "full"),
+            ("moe", "128x128", "fp32", 10, 0.01, "full"),
+            ("moe", "128x128", "fp32", 10, 0.01, "moe-layer"),
+            ("gpt-mtp", "128x128", "fp32", 10, 0.0, "full")],
+    "cuda": [(m, "1024x2048", d, 30, 0.0, "full") for m in ("moe", "gpt-mtp")
              for d in ("fp32", "bf16")]
-    + [("moe", "1024x2048", d, 10, 0.01, r) for d in ("fp32", "bf16")
+    + [("moe", "1024x2048", d, 30, 0.01, r) for d in ("fp32", "bf16")
        for r in ("full", "moe-layer")],
 }
 

@@ -78,7 +78,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
     # the sanitizers' step-time ratios, alone on the GPU (the refresh's first session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 240, json="bench-gpu-sanitize.json",
+        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 420, json="bench-gpu-sanitize.json",
         alone=True)
     # the megatron reclaim's 1% step-time gate, alone on the GPU: beside the memory sessions it
     # skips (SHARED_GPU), as a step time there measures the other sessions too
@@ -171,17 +171,19 @@ def _steps(out: str) -> dict[str, list[Step]]:
                 PY, "-m", "benchmarks.fused_print", "--device", "cuda", "--size", "1024x2048",
                 "--dtypes", "fp32,bf16", "--json", o("fused-print.json")], 300,
                 json="fused-print.json")],
-        # where a sanitized step's host time goes on the real MoE GPT in bf16, whose steps are
-        # the shortest (cProfile per values mode; aux loss off and on, full and MoE-layer
-        # recompute)
-        "sanitizer-profile": [Step(f"sanitize-moe-{name}", [
-            PY, "-m", "benchmarks._sanitize_megatron", "--model", "moe", "--device", "cuda",
+        # where a sanitized step's host time goes on the real models in bf16, whose steps are
+        # the shortest (cProfile per values mode; the MoE GPT with the aux loss off and on,
+        # full and MoE-layer recompute; GPT+MTP)
+        "sanitizer-profile": [Step(f"sanitize-{model}-{name}", [
+            PY, "-m", "benchmarks._sanitize_megatron", "--model", model, "--device", "cuda",
             "--size", "1024x2048", "--dtype", "bf16", "--steps", "4", *args.split(),
-            "--profile", o(f"profile-moe-{name}.txt")], 100, json=f"profile-moe-{name}.txt")
-            for name, args in (("bf16-aux0-full", "--aux-loss 0 --recompute full"),
-                               ("bf16-aux0p01-full", "--aux-loss 0.01 --recompute full"),
-                               ("bf16-aux0p01-moe-layer",
-                                "--aux-loss 0.01 --recompute moe-layer"))],
+            "--profile", o(f"profile-{model}-{name}.txt")], 100,
+            json=f"profile-{model}-{name}.txt")
+            for model, name, args in (
+                ("moe", "bf16-aux0-full", "--aux-loss 0 --recompute full"),
+                ("moe", "bf16-aux0p01-full", "--aux-loss 0.01 --recompute full"),
+                ("moe", "bf16-aux0p01-moe-layer", "--aux-loss 0.01 --recompute moe-layer"),
+                ("gpt-mtp", "bf16-full", "--recompute full"))],
         # two GPUs (kind nvidia-h200-x2): the MoE GPT with its experts over two NCCL ranks, the
         # bench's cells and the CLI's step times; the suite's and the repros' two-rank tests
         # run in "suite" and "repro" once two GPUs are there
