@@ -78,7 +78,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
     # the sanitizers' step-time ratios, alone on the GPU (the refresh's first session)
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
-        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 420, json="bench-gpu-sanitize.json",
+        f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 250, json="bench-gpu-sanitize.json",
         alone=True)
     # the megatron reclaim's 1% step-time gate, alone on the GPU: beside the memory sessions it
     # skips (SHARED_GPU), as a step time there measures the other sessions too
