@@ -61,6 +61,15 @@ METRIC_TITLES = {
     "step_time_s": "step time (interleaved rounds)",
     "sanitizer_step_time_min_ratio": "fastest step under the sanitizer(s) / without",
     "step_time_min_s": "step time (fastest of interleaved rounds)",
+    # the recompute sanitizer on megatron's models (benchmarks._sanitize_megatron): adjacent steps
+    "recompute_step_time_ratio": "step time, values='all' left on / switched off (adjacent "
+                                 "steps)",
+    "recompute-sampled_step_time_ratio": "step time, values='sampled' left on / switched off "
+                                         "(adjacent steps)",
+    "recompute-metadata_step_time_ratio": "step time, values='none' left on / switched off "
+                                          "(adjacent steps)",
+    "recompute-entered_step_time_ratio": "step time, entered with no region watched / no "
+                                         "sanitizer (adjacent steps)",
 }
 
 
