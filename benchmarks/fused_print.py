@@ -12,6 +12,9 @@ kernels one side launches (torch.profiler; CUDA only). On CUDA the fused prints 
 checked against the CPU path's on the same tensors (``equal_to_cpu``). Prints ``FUSED-PRINT
 {json}`` (one entry per dtype) and writes it to ``--json``.
 
+``--sweep`` (CUDA) also times the fused kernel under each launch shape of ``SWEEP`` (elements
+per program and per loop step, warps per program): how the shipped one was chosen.
+
     python -m benchmarks.fused_print --device cuda --size 1024x2048 --dtypes fp32,bf16
 """
 
@@ -78,7 +81,8 @@ def _kernels(fn, device: str) -> int | None:
                and not e.name.startswith(("Memcpy", "Memset")))
 
 
-def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int) -> dict:
+def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int,
+            sweep: bool = False) -> dict:
     import torch
 
     from fixes.sanitize import _detect, _fused
@@ -106,12 +110,44 @@ def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int) -> dic
         result[f"{name}_host_ms"], result[f"{name}_ms"] = _time(fn, sync, repeats)
         result[f"{name}_kernels"] = _kernels(fn, device)
     result["kernel_failed"] = list(_fused.FAILED)
+    if sweep:
+        result["sweep"] = launch_sweep(kept, sync, repeats)
     if device == "cuda":
         got, _ = _fused.prints(side)
         want, _ = _fused.prints([None if t is None else t.cpu() for t in side])
         key = lambda p: None if p is None else [int(v) for v in p.exact]  # noqa: E731
         result["equal_to_cpu"] = [key(p) for p in got] == [key(p) for p in want]
     return result
+
+
+# (elements per program, elements per loop step, warps per program) tried by --sweep
+SWEEP = [(chunk, block, warps) for chunk in (1 << 13, 1 << 15, 1 << 17)
+         for block, warps in ((256, 2), (256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8),
+                              (2048, 8), (2048, 16))]
+
+
+def launch_sweep(kept: list, sync, repeats: int) -> list[dict]:
+    """The fused kernel on ``kept`` (tolerant: CUDA's default) under each launch shape of
+    ``SWEEP``: its median time until the device is done, and whether its exact prints equal
+    the shipped shape's (integer sums: any blocking gives the same)."""
+    from fixes.sanitize import _fused
+
+    real = [_fused._real(t) for t in kept]
+    summed = [r.dtype in _fused._KIND for r in real]
+    device = real[0].device
+
+    def exact(shape):
+        rows = _fused._launch(real, summed, device, *shape)
+        return [int(r[0]) for r in rows]
+
+    want = exact((_fused.CHUNK, _fused.BLOCK, _fused.NUM_WARPS))
+    out = []
+    for shape in SWEEP:
+        _, ms = _time(lambda shape=shape: _fused._launch(real, summed, device, *shape), sync,
+                      repeats)
+        out.append({"chunk": shape[0], "block": shape[1], "num_warps": shape[2], "ms": ms,
+                    "equal": exact(shape) == want})
+    return out
 
 
 def by_dtype(stdout: str, dtypes: tuple[str, ...]) -> dict[str, dict]:
@@ -130,10 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the fused kernel under each launch shape of SWEEP (CUDA)")
     args = p.parse_args(argv)
+    if args.sweep and args.device != "cuda":
+        p.error("--sweep times the Triton kernel's launch shapes: CUDA only")
     hidden, seq = (int(v) for v in args.size.split("x"))
-    results = [measure(hidden, seq, d, args.device, args.repeats)
+    results = [measure(hidden, seq, d, args.device, args.repeats, args.sweep)
                for d in args.dtypes.split(",")]
+    for r in results:
+        for row in r.get("sweep", []):
+            print(f"SWEEP {r['dtype']} chunk {row['chunk']:6d} block {row['block']:4d} warps "
+                  f"{row['num_warps']:2d}: {row['ms']:7.3f} ms  equal {row['equal']}",
+                  flush=True)
     print("FUSED-PRINT " + json.dumps(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -171,6 +171,12 @@ def _steps(out: str) -> dict[str, list[Step]]:
                 PY, "-m", "benchmarks.fused_print", "--device", "cuda", "--size", "1024x2048",
                 "--dtypes", "fp32,bf16", "--json", o("fused-print.json")], 300,
                 json="fused-print.json")],
+        # the fused kernel's launch shapes timed on one MoE layer's saved tensors (how
+        # _fused.CHUNK / BLOCK / NUM_WARPS were chosen)
+        "fused-print-sweep": [Step("fused-print-sweep", [
+            PY, "-m", "benchmarks.fused_print", "--device", "cuda", "--size", "1024x2048",
+            "--dtypes", "fp32,bf16", "--repeats", "10", "--sweep", "--json",
+            o("fused-print-sweep.json")], 300, json="fused-print-sweep.json", alone=True)],
         # where a sanitized step's host time goes on the real models in bf16, whose steps are
         # the shortest (cProfile per values mode; the MoE GPT with the aux loss off and on,
         # full and MoE-layer recompute; GPT+MTP)

@@ -54,6 +54,7 @@ NCOL = 16  # table columns per tensor (below)
 NOUT = 5  # results per tensor: exact, non-finite, sum, sum of squares, weighted sum
 CHUNK = 1 << 15  # elements per program
 BLOCK = 1024
+NUM_WARPS = 4  # per program (Triton's default)
 CPU_BATCH = 1 << 16  # elements per batch of the torch path (measured: fits the caches)
 
 
@@ -298,7 +299,7 @@ def _table(real: list[torch.Tensor], summed: list[bool], chunk: int):
 
 
 def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
-            chunk: int = CHUNK, block: int = BLOCK) -> list:
+            chunk: int = CHUNK, block: int = BLOCK, num_warps: int = NUM_WARPS) -> list:
     host, programs, held = _table(real, summed, chunk)
     n = len(real)
     if device.type == "cuda":
@@ -309,7 +310,8 @@ def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
     kernel = _triton() if device.type == "cuda" else _interpreted()
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
+            kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block,
+                                num_warps=num_warps)
     else:
         kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
     del held
