@@ -13,6 +13,9 @@ variants, each step on its own, and records beside each step's wall time what co
   on and off step by step: the left-on cost paired with an unsanitized step one step apart
   (``toggled-<values>-on`` / ``toggled-<values>-off``, and their step-by-step ratios).
 
+``--kernels`` (CUDA): one toggled step on and one off under torch.profiler, the device time of
+each kernel (what the sanitizer adds on the device, apart from the host).
+
 Per step: wall time, this thread's CPU time, its involuntary and voluntary context switches,
 the collector's time and collections inside the step, and (CUDA) the allocator's device
 allocations. Per variant: median, 10th-90th percentile, the lag-1 autocorrelation of the wall
@@ -89,7 +92,8 @@ def summary(steps: list[dict]) -> dict:
             "device_allocs": sum(s["device_allocs"] for s in steps)}
 
 
-def probe(step, device: str, n: int, variants, values: list[str]) -> dict:
+def probe(step, device: str, n: int, variants, values: list[str], kernels: bool = False,
+          ) -> dict:
     clock = _GcClock()
     gc.callbacks.append(clock)
     out: dict[str, list[dict]] = {}
@@ -122,11 +126,13 @@ def probe(step, device: str, n: int, variants, values: list[str]) -> dict:
                     os.sched_setaffinity(0, before)
             elif v == "toggled":
                 for mode in values:
-                    out.update(_toggled(step, device, n, mode, clock))
+                    out.update(_toggled(step, device, n, mode, clock, kernels))
     finally:
         gc.unfreeze()
         gc.callbacks.remove(clock)
-    result = {name: {"summary": summary(steps), "steps": steps} for name, steps in out.items()}
+    result: dict = {name: {"summary": summary(steps), "steps": steps}
+                    for name, steps in out.items() if not name.startswith("kernels-")}
+    result.update({name: rows for name, rows in out.items() if name.startswith("kernels-")})
     for mode in values:
         on, off = out.get(f"toggled-{mode}-on"), out.get(f"toggled-{mode}-off")
         if on:
@@ -136,8 +142,10 @@ def probe(step, device: str, n: int, variants, values: list[str]) -> dict:
     return result
 
 
-def _toggled(step, device: str, n: int, values: str, clock: _GcClock) -> dict[str, list]:
-    """The sanitizer entered once, on for even steps and off for odd ones."""
+def _toggled(step, device: str, n: int, values: str, clock: _GcClock,
+             kernels: bool = False) -> dict[str, list]:
+    """The sanitizer entered once, on for even steps and off for odd ones; ``kernels``
+    (CUDA): one step each way under torch.profiler, its device time by kernel."""
     from fixes.sanitize import recompute_sanitizer
 
     on = [True]
@@ -150,7 +158,31 @@ def _toggled(step, device: str, n: int, values: str, clock: _GcClock) -> dict[st
             on[0] = i % 2 == 0
             got[f"toggled-{values}-{'on' if on[0] else 'off'}"].append(
                 _timed(step, device, clock))
+        if kernels and device == "cuda":
+            for state in (True, False):
+                on[0] = state
+                got[f"kernels-{values}-{'on' if state else 'off'}"] = _kernel_times(step)
     return got
+
+
+def _kernel_times(step, top: int = 12) -> list[dict]:
+    """One step under torch.profiler: the device time of every kernel and copy together
+    (``name`` "(all)"), then the ``top`` names by device time (microseconds, calls)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = by_name.setdefault(e.name[:80], [0.0, 0])
+            row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time
+            row[1] += 1
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in by_name.values())
+    return [{"name": "(all)", "us": total, "calls": sum(v[1] for v in by_name.values())}] + [
+        {"name": k, "us": v[0], "calls": v[1]} for k, v in rows[:top]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--values", default="none",
                    help="the toggled sanitizer's values modes, comma-separated, of all, "
                    "sampled, none")
+    p.add_argument("--kernels", action="store_true",
+                   help="toggled (CUDA): one step on and one off under torch.profiler, the "
+                   "device time by kernel")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -181,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         hidden, seq = (int(v) for v in size.split("x"))
         gpt, step = cell_step(model, args.device, hidden, seq, dtype, aux_loss=aux,
                               recompute=recompute)
-        results[text] = r = probe(step, args.device, args.steps, variants, values)
+        results[text] = r = probe(step, args.device, args.steps, variants, values, args.kernels)
         for name, got in r.items():
             if "summary" in got:
                 s = got["summary"]
@@ -191,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{s['cpu_over_wall']:.2f}  invol {s['involuntary']}  gc "
                       f"{s['gc_s'] * 1e3:.1f} ms  device allocs {s['device_allocs']}",
                       flush=True)
+        for name, rows in r.items():
+            if name.startswith("kernels-"):
+                print(f"STEP-NOISE {text} {name}: " + "; ".join(
+                    f"{k['name']} {k['us']:.0f} us x{k['calls']}" for k in rows[:6]), flush=True)
         for mode in values:
             if f"toggled-{mode}-ratio" in r:
                 print(f"STEP-NOISE {text} toggled {mode}: on/off median ratio "

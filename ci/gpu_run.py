@@ -243,6 +243,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *(a for c in ("moe:1024x2048:bf16:0:full", "gpt-mtp:1024x2048:bf16:0:full",
                           "moe:1024x2048:fp32:0.01:moe-layer") for a in ("--cell", c))],
             300, json="step-noise.json", alone=True)],
+        # the sanitizer switched on and off step by step on the bf16 cells whose "all" costs
+        # most, each way one step under torch.profiler: what it adds on the device
+        "sanitizer-device-time": [Step("sanitizer-device-time", [
+            PY, "-m", "benchmarks.step_noise", "--device", "cuda", "--steps", "12",
+            "--variants", "toggled", "--values", "all,none", "--kernels", "--json",
+            o("sanitizer-device-time.json"),
+            *(a for c in ("gpt-mtp:1024x2048:bf16:0:full",
+                          "moe:1024x2048:bf16:0.01:moe-layer") for a in ("--cell", c))],
+            200, json="sanitizer-device-time.json", alone=True)],
         # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
         # threads; the CPU suite on the GPU host
         "child-phases": [Step("child-phases-cuda", [
