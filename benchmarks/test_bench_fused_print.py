@@ -47,3 +47,4 @@ def test_one_side_of_a_megatron_moe_layer(benchmark, figure_book, dtype):
            strategy="fused", device="cuda",
            figures={k: v for k, v in found.items()
                     if k.endswith(("_ms", "_kernels")) or k in ("printed", "elements", "bytes")})
+

@@ -278,3 +278,16 @@ def test_recompute_sanitizer_on_megatron(benchmark, figure_book, device, model, 
     extra = (f"-aux{aux:g}" if aux else "") + ("" if recompute == "full" else f"-{recompute}")
     record(benchmark, scenario=f"recompute-sanitizer/megatron-{model}-{size}-{dtype}{extra}",
            strategy="recompute", device=device, figures=figures)
+
+
+@pytest.mark.cpu
+def test_the_launch_sweep_is_cuda_only_and_holds_the_shipped_shape():
+    """``--sweep`` times Triton launch shapes: on CPU a usage error naming CUDA; the shipped
+    shape is among those it times (its row is what the others are compared with)."""
+    from benchmarks import fused_print
+    from fixes.sanitize import _fused
+
+    with pytest.raises(SystemExit) as exit_info:
+        fused_print.main(["--device", "cpu", "--sweep"])
+    assert exit_info.value.code == 2
+    assert (_fused.CHUNK, _fused.BLOCK, _fused.NUM_WARPS) in fused_print.SWEEP
