@@ -34,7 +34,9 @@ MEASURED_PATHS: dict[str, tuple[str, ...]] = {
                               "benchmarks/_measure.py"),
     "backward-threads": ("fixes/torchtitan/", "benchmarks/_ac.py",
                          "benchmarks/test_bench_backward_threads.py", "benchmarks/_measure.py"),
-    "sanitizers": ("fixes/sanitize/", "benchmarks/_ac.py", "benchmarks/test_bench_sanitize.py"),
+    # the plain transformer's sanitizer cells and the fused print of one MoE layer's side
+    "sanitizers": ("fixes/sanitize/", "benchmarks/_ac.py", "benchmarks/test_bench_sanitize.py",
+                   "benchmarks/fused_print.py", "benchmarks/test_bench_fused_print.py"),
     "recompute-sanitizer": ("fixes/sanitize/", "benchmarks/_sanitize_megatron.py",
                             "benchmarks/test_bench_sanitize.py"),
     "output-discard": ("fixes/megatron/output_discard.py", "benchmarks/_output_discard.py",
