@@ -1,17 +1,18 @@
 """Where the spread of a megatron cell's step time comes from on this host.
 
-The sanitizer's step-time ratios (``benchmarks._sanitize_megatron``) are medians of interleaved
+The sanitizer's step-time ratios (``benchmarks._sanitize_megatron``) were medians of interleaved
 rounds; on the H200 the unsanitized MoE step alone spread 63-98 ms from round to round, wider
-than the costs being measured. This probe times the unsanitized step of one cell under a few
+than the costs being measured (what this probe found made them adjacent steps since). This probe times the unsanitized step of one cell under a few
 variants, each step on its own, and records beside each step's wall time what could explain it:
 
 - ``consecutive``: steps back to back, the collector frozen after warm-up (as the bench runs);
-- ``rounds``: the bench's pattern -- a full collection, one step, then the timed step;
+- ``rounds``: the bench's former pattern -- a full collection, one step, then the timed step;
 - ``gc-off``: the collector disabled;
 - ``pinned``: this thread (and what it starts) on one CPU;
 - ``toggled``: ``recompute_sanitizer(values=...)`` entered once per values mode and switched
-  on and off step by step: the left-on cost paired with an unsanitized step one step apart
-  (``toggled-<values>-on`` / ``toggled-<values>-off``, and their step-by-step ratios).
+  on and off step by step (the order swapped every pair): the left-on cost paired with the same
+  sanitizer switched off, its wrappers passing the regions straight through, one step apart
+  (``toggled-<values>-on`` / ``toggled-<values>-off``, and the pairs' ratios).
 
 ``--kernels`` (CUDA): one toggled step on and one off under torch.profiler, the device time of
 each kernel (what the sanitizer adds on the device, apart from the host).
@@ -144,8 +145,9 @@ def probe(step, device: str, n: int, variants, values: list[str], kernels: bool 
 
 def _toggled(step, device: str, n: int, values: str, clock: _GcClock,
              kernels: bool = False) -> dict[str, list]:
-    """The sanitizer entered once, on for even steps and off for odd ones; ``kernels``
-    (CUDA): one step each way under torch.profiler, its device time by kernel."""
+    """The sanitizer entered once, ``n`` pairs of steps on and off (on first in even pairs,
+    off first in odd ones: a trend cancels); ``kernels`` (CUDA): one step each way under
+    torch.profiler, its device time by kernel."""
     from fixes.sanitize import recompute_sanitizer
 
     on = [True]
@@ -154,10 +156,11 @@ def _toggled(step, device: str, n: int, values: str, clock: _GcClock,
         sanitizer._on = lambda: on[0]  # benchmark-only: the switch its wrappers read
         for _ in range(2):  # the entry and the first walk of the modules, off the clock
             step()
-        for i in range(2 * n):
-            on[0] = i % 2 == 0
-            got[f"toggled-{values}-{'on' if on[0] else 'off'}"].append(
-                _timed(step, device, clock))
+        for i in range(n):
+            for state in ((True, False) if i % 2 == 0 else (False, True)):
+                on[0] = state
+                got[f"toggled-{values}-{'on' if state else 'off'}"].append(
+                    _timed(step, device, clock))
         if kernels and device == "cuda":
             for state in (True, False):
                 on[0] = state
@@ -205,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        p.error(f"--variants: {', '.join(bad)} not allowed; allowed: {', '.join(VARIANTS)}")
+    if bad or not variants:
+        p.error(f"--variants: {', '.join(bad) or 'none given'} not allowed; allowed: "
+                f"{', '.join(VARIANTS)}")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.kernels and (args.device != "cuda" or "toggled" not in variants):
+        p.error("--kernels times device kernels of toggled steps: it needs --device cuda and "
+                "the toggled variant")
     values = [v for v in args.values.split(",") if v]
     if not values or any(v not in ("all", "sampled", "none") for v in values):
         p.error(f"--values {args.values!r}: allowed: all, sampled, none (comma-separated)")
