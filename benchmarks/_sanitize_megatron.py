@@ -8,16 +8,17 @@ sanitizer (the detect tier; the locator would run in the second only after a det
 first), then steps without it, whose gradients must equal the first's (bitwise on CPU; on CUDA
 within what two unsanitized steps differ by), then ``steps`` pairs of adjacent steps per mode
 (``paired_step_times``): the sanitizer entered with no region watched (``_entered_no_region``)
-against an unsanitized step, and each values mode (all, sampled, metadata-only), entered once
-and left on as a training run enters it (``values="sampled"`` / ``"none"`` keep their walk of
-the modules from step to step, ``fixes.sanitize._reach.Walks``), against the same sanitizer
-switched off for the other step of the pair. Adjacent steps, not interleaved rounds: on the
+against an unsanitized step (each arm's timed step after an untimed one), and each values mode
+(all, sampled, metadata-only), entered once and left on as a training run enters it
+(``values="sampled"`` / ``"none"`` keep their walk of the modules from step to step,
+``fixes.sanitize._reach.Walks``), against the same sanitizer switched off for the other step of
+the pair (its wrappers still in place: what being entered costs is the ``entered`` control's). Adjacent steps, not interleaved rounds: on the
 H200 a cell's unsanitized steps drift by a quarter with a lag-one autocorrelation of 0.5-0.8
 (``benchmarks.step_noise``), which spread the round-by-round ratios 0.7-1.3, wider than the
 costs measured. Prints ``SANITIZE-MEGATRON {json}``: regions, tensors compared, detections,
 the fresh walks of the modules, the gradient distances, per mode the median step time and the
 median of the pairs' ratios, each with every pair (``*_repeats``), and the step that entered
-the mode (``*_first_step_*``: the entry and the first walk).
+the mode (``*_first_step_s``: the entry and the first walk).
 
 Each pair starts with the collector's young generations empty, what lived after the first
 steps frozen out of it (``gc.freeze``): a collection of the imports' million objects is then
@@ -163,7 +164,8 @@ def _left_on(name: str, timed, pair, rounds: int) -> tuple[float, list[float], l
 def paired_step_times(step, now, rounds: int) -> dict:
     """Each mode's step time against the step next to it, ``rounds`` pairs each (the order
     swapped every round: a drift within a pair cancels over two): the ``entered`` control
-    against an unsanitized step (entered for two steps, the second timed), and each values
+    against an unsanitized step (each arm two steps, the second timed: neither timed step is
+    the first after the pair's collection), and each values
     mode, entered once and left on -- as a training run enters it -- against the same
     sanitizer switched off for the other step of the pair (its wrappers passing the regions
     straight to the checkpoint: what ``entered`` measures). On the H200 the unsanitized steps
@@ -174,7 +176,7 @@ def paired_step_times(step, now, rounds: int) -> dict:
     Per mode: ``<mode>_step_s`` (median), ``<mode>_step_time_ratio`` (the median of the
     pairs' ratios), each with every pair (``*_repeats``); a values mode's switched-off steps
     (``<mode>_off_step_s``), and the step that entered it and made the first walk
-    (``<mode>_first_step_s``, and its ratio to the median unsanitized step)."""
+    (``<mode>_first_step_s``; no ratio: it has no step beside it)."""
     times: dict[str, list[float]] = {name: [] for name in MODES}
     ratios: dict[str, list[float]] = {name: [] for name in MODES}
     result: dict = {}
@@ -194,6 +196,10 @@ def paired_step_times(step, now, rounds: int) -> dict:
         a = first()
         return a, second()
 
+    def plain() -> float:
+        step()  # off the clock, as the entered arm's: neither timed step follows the collection
+        return timed()
+
     def entered() -> float:
         with _entered_no_region():
             step()  # the entry's first step, off the clock: the entered control is left on
@@ -206,11 +212,11 @@ def paired_step_times(step, now, rounds: int) -> dict:
     gc.freeze()
     try:
         for i in range(rounds):
-            plain, control = pair(i, timed, entered)
-            times["none"].append(plain)
+            unsanitized, control = pair(i, plain, entered)
+            times["none"].append(unsanitized)
             ratios["none"].append(1.0)
             times["recompute-entered"].append(control)
-            ratios["recompute-entered"].append(control / plain)
+            ratios["recompute-entered"].append(control / unsanitized)
         for name in MODES:
             if MODES[name] in (None, "entered"):
                 continue
@@ -220,8 +226,6 @@ def paired_step_times(step, now, rounds: int) -> dict:
             result[f"{name}_first_step_s"] = first
             result[f"{name}_off_step_s"] = statistics.median(off)
             result[f"{name}_off_step_s_repeats"] = off
-            result[f"{name}_first_step_time_ratio"] = (result[f"{name}_first_step_s"]
-                                                       / statistics.median(times["none"]))
     finally:
         gc.unfreeze()
     for name in MODES:
@@ -315,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--clock thread measures the host thread: CPU device only")
     if bool(args.cell) == bool(args.model):
         p.error("give --model or --cell, not both")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1 (pairs of steps per mode), got {args.steps}")
+    if not args.cell and not _size_ok(args.size):
+        p.error(f"--size {args.size!r}: expected HIDDENxSEQ, e.g. 1024x2048")
     cells = [cell_arg(c, p) for c in args.cell] or [
         (args.model, args.size, args.dtype, args.aux_loss, args.recompute)]
     for model, size, dtype, aux, recompute in cells:
@@ -339,13 +347,27 @@ def cell_arg(text: str, parser: argparse.ArgumentParser | None = None) -> tuple:
     """``MODEL:SIZE:DTYPE:AUX:RECOMPUTE`` -> (model, size, dtype, aux, recompute)."""
     parts = text.split(":")
     if (len(parts) != 5 or parts[0] not in ("moe", "gpt-mtp") or parts[2] not in ("fp32", "bf16")
-            or parts[4] not in ("full", "moe-layer")):
+            or parts[4] not in ("full", "moe-layer") or not _size_ok(parts[1])
+            or not _float_ok(parts[3])):
         message = (f"--cell {text!r}: expected MODEL:SIZE:DTYPE:AUX:RECOMPUTE with MODEL in "
-                   "moe, gpt-mtp, DTYPE in fp32, bf16 and RECOMPUTE in full, moe-layer")
+                   "moe, gpt-mtp, SIZE as HIDDENxSEQ (e.g. 1024x2048), DTYPE in fp32, bf16, AUX "
+                   "a number (0: off) and RECOMPUTE in full, moe-layer")
         if parser is not None:
             parser.error(message)
         raise ValueError(message)
     return parts[0], parts[1], parts[2], float(parts[3]), parts[4]
+
+
+def _size_ok(text: str) -> bool:
+    hidden, _, seq = text.partition("x")
+    return hidden.isdigit() and seq.isdigit() and int(hidden) > 0 and int(seq) > 0
+
+
+def _float_ok(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

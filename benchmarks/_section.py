@@ -69,7 +69,7 @@ METRIC_TITLES = {
     "recompute-metadata_step_time_ratio": "step time, values='none' left on / switched off "
                                           "(adjacent steps)",
     "recompute-entered_step_time_ratio": "step time, entered with no region watched / no "
-                                         "sanitizer (adjacent steps)",
+                                         "sanitizer (paired steps)",
 }
 
 

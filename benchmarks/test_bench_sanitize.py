@@ -131,14 +131,16 @@ def test_the_figures_are_medians_of_interleaved_rounds_with_every_round_recorded
 
 @pytest.mark.cpu
 def test_megatron_cells_pair_adjacent_steps_so_a_drift_cancels(monkeypatch):
-    """``paired_step_times`` on a virtual clock whose steps slow by 1% each and cost 1.25x
-    while a region is recorded: every values mode reads its 1.25 and the entered control its
-    1.0 (a mode compared with the unsanitized steps of an earlier block would read the drift:
-    ~1.6 here), each pair recorded."""
+    """``paired_step_times`` on a virtual clock whose steps slow by 5% each, whose first step
+    after a collection costs 5% more, and whose steps cost 1.25x while a region is recorded:
+    every values mode reads its 1.25 and the entered control its 1.0, each within 0.5% (a
+    pair run in one order only reads the drift, ~2% off; an arm whose timed step is the first
+    after the collection reads that cost). Every pair is recorded, the swapped ones on the
+    other side of 1.25."""
     from benchmarks import _sanitize_megatron as sm
 
-    live, clock, count = [], [0.0], [0]
-    real_mode = sm._mode
+    live, clock, count, collected = [], [0.0], [0], [False]
+    real_mode, real_collect = sm._mode, sm.gc.collect
 
     @contextlib.contextmanager
     def capturing(name):
@@ -146,22 +148,32 @@ def test_megatron_cells_pair_adjacent_steps_so_a_drift_cancels(monkeypatch):
             live.append(sanitizer)
             yield sanitizer
 
+    def collect(*args):
+        collected[0] = True
+        return real_collect(*args)
+
     monkeypatch.setattr(sm, "_mode", capturing)
+    monkeypatch.setattr(sm.gc, "collect", collect)
     x = torch.ones(3, requires_grad=True)
 
     def step():
         before = sum(s.regions for s in live)
         torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
         count[0] += 1
-        clock[0] += (1 + 0.01 * count[0]) * (1.25 if sum(s.regions for s in live) > before
-                                              else 1.0)
+        cost = (1 + 0.05 * count[0]) * (1.05 if collected[0] else 1.0)
+        collected[0] = False
+        clock[0] += cost * (1.25 if sum(s.regions for s in live) > before else 1.0)
 
     got = sm.paired_step_times(step, lambda: clock[0], rounds=6)
     for mode in ("recompute", "recompute-sampled", "recompute-metadata"):
-        assert got[f"{mode}_step_time_ratio"] == pytest.approx(1.25, abs=0.02), mode
-        assert len(got[f"{mode}_step_time_ratio_repeats"]) == 6
+        assert got[f"{mode}_step_time_ratio"] == pytest.approx(1.25, rel=0.005), mode
+        repeats = got[f"{mode}_step_time_ratio_repeats"]
+        assert len(repeats) == 6
+        # the order swapped every pair: consecutive pairs on either side of 1.25
+        assert all((a - 1.25) * (b - 1.25) < 0 for a, b in zip(repeats[:-1], repeats[1:], strict=True))
         assert got[f"{mode}_off_step_s"] < got[f"{mode}_step_s"]
-    assert got["recompute-entered_step_time_ratio"] == pytest.approx(1.0, abs=0.02)
+        assert f"{mode}_first_step_s" in got
+    assert got["recompute-entered_step_time_ratio"] == pytest.approx(1.0, rel=0.005)
     assert got["none_step_time_ratio_repeats"] == [1.0] * 6
     # unpaired, the last mode against the first block's unsanitized steps reads the drift
     assert got["recompute-metadata_step_s"] / got["none_step_s"] > 1.5
@@ -281,7 +293,7 @@ def test_recompute_sanitizer_on_megatron(benchmark, figure_book, device, model, 
 
 
 @pytest.mark.cpu
-def test_the_launch_sweep_is_cuda_only_and_holds_the_shipped_shape():
+def test_the_launch_sweep_is_cuda_only_and_holds_the_shipped_shape(capsys):
     """``--sweep`` times Triton launch shapes: on CPU a usage error naming CUDA; the shipped
     shape is among those it times (its row is what the others are compared with)."""
     from benchmarks import fused_print
@@ -290,4 +302,21 @@ def test_the_launch_sweep_is_cuda_only_and_holds_the_shipped_shape():
     with pytest.raises(SystemExit) as exit_info:
         fused_print.main(["--device", "cpu", "--sweep"])
     assert exit_info.value.code == 2
+    assert "CUDA only" in capsys.readouterr().err
     assert (_fused.CHUNK, _fused.BLOCK, _fused.NUM_WARPS) in fused_print.SWEEP
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("argv,message", [
+    (["--cell", "moe:1024:fp32:0:full"], "SIZE as HIDDENxSEQ"),
+    (["--cell", "moe:128x8:fp32:off:full"], "AUX a number"),
+    (["--model", "moe", "--steps", "0"], "--steps must be >= 1"),
+    (["--model", "moe", "--size", "big"], "expected HIDDENxSEQ"),
+])
+def test_the_megatron_cells_runner_names_what_a_bad_argument_should_be(capsys, argv, message):
+    from benchmarks import _sanitize_megatron as sm
+
+    with pytest.raises(SystemExit) as exit_info:
+        sm.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
