@@ -300,25 +300,35 @@ def _profile(step, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks._sanitize_megatron")
-    p.add_argument("--model", choices=("moe", "gpt-mtp"))
+    p = argparse.ArgumentParser(prog="python -m benchmarks._sanitize_megatron",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=("moe", "gpt-mtp"), help="the model of one cell")
     p.add_argument("--cell", action="append", default=[], metavar="MODEL:SIZE:DTYPE:AUX:RECOMPUTE",
                    help="measure this cell (repeatable; instead of --model, --size, --dtype, "
                    "--aux-loss, --recompute): one interpreter for many cells, one line each")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where it runs")
     p.add_argument("--size", default="128x128", help="HIDDENxSEQ")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's dtype")
+    p.add_argument("--steps", type=int, default=3,
+                   help="pairs of adjacent steps per mode (paired_step_times)")
     p.add_argument("--aux-loss", type=float, default=0.0, metavar="COEFF",
                    help="MoE: megatron's aux-loss coefficient (z-loss: a tenth of it); 0: off")
-    p.add_argument("--recompute", choices=("full", "moe-layer"), default="full")
-    p.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    p.add_argument("--recompute", choices=("full", "moe-layer"), default="full",
+                   help="full: one layer per checkpoint; moe-layer: the MoE layer and core "
+                   "attention (selective)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="thread: this thread's CPU time (CPU only)")
     p.add_argument("--profile", metavar="PATH", help="write per-mode cProfile tables here")
     args = p.parse_args(argv)
     if args.clock == "thread" and args.device != "cpu":
         p.error("--clock thread measures the host thread: CPU device only")
     if bool(args.cell) == bool(args.model):
-        p.error("give --model or --cell, not both")
+        p.error("give exactly one of --model (one cell) or --cell (repeatable)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available here")
     if args.steps < 1:
         p.error(f"--steps must be >= 1 (pairs of steps per mode), got {args.steps}")
     if not args.cell and not _size_ok(args.size):

@@ -70,6 +70,12 @@ METRIC_TITLES = {
                                           "(adjacent steps)",
     "recompute-entered_step_time_ratio": "step time, entered with no region watched / no "
                                          "sanitizer (paired steps)",
+    "recompute_off_step_s": "step time, values='all' entered and switched off",
+    "recompute-sampled_off_step_s": "step time, values='sampled' entered and switched off",
+    "recompute-metadata_off_step_s": "step time, values='none' entered and switched off",
+    "recompute_first_step_s": "the step that entered values='all' (its first walk)",
+    "recompute-sampled_first_step_s": "the step that entered values='sampled' (its first walk)",
+    "recompute-metadata_first_step_s": "the step that entered values='none' (its first walk)",
 }
 
 

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--values", default="none",
                    help="the toggled sanitizer's values modes, comma-separated, of all, "
-                   "sampled, none")
+                   "sampled, none (recompute_sanitizer(values=...): none is the metadata-only "
+                   "mode, not \"no sanitizer\"); default: none")
     p.add_argument("--kernels", action="store_true",
                    help="toggled (CUDA): one step on and one off under torch.profiler, the "
                    "device time by kernel")
