@@ -45,10 +45,20 @@ import json
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 # mode name -> recompute_sanitizer(values=...); "recompute-entered": entered, no region run
 MODES = {"none": None, "recompute": "all", "recompute-sampled": "sampled",
          "recompute-metadata": "none", "recompute-entered": "entered"}
+
+
+def switch_of(sanitizer) -> Callable[[bool], None]:
+    """Benchmark-only: an entered ``recompute_sanitizer()``'s wrappers made to read a switch
+    (its ``_on``), on; the switch's setter. Off, they pass every region straight to the
+    checkpoint, as if the sanitizer were not entered."""
+    on = [True]
+    sanitizer._on = lambda: on[0]
+    return lambda state: on.__setitem__(0, state)
 
 
 @contextlib.contextmanager
@@ -59,7 +69,7 @@ def _entered_no_region():
     from fixes.sanitize import recompute_sanitizer
 
     with recompute_sanitizer() as sanitizer:
-        sanitizer._on = lambda: False  # the wrappers call the checkpoint as if not entered
+        switch_of(sanitizer)(False)
         yield sanitizer
 
 
@@ -146,11 +156,10 @@ def _left_on(name: str, timed, pair, rounds: int) -> tuple[float, list[float], l
     ``rounds`` pairs' steps on, and off)."""
     on, off = [], []
     with _mode(name) as sanitizer:
-        switch = [True]
-        sanitizer._on = lambda: switch[0]  # benchmark-only: the switch its wrappers read
+        switch = switch_of(sanitizer)
 
         def switched(state: bool) -> float:
-            switch[0] = state
+            switch(state)
             return timed()
 
         first = timed()

@@ -37,6 +37,8 @@ import resource
 import statistics
 import time
 
+from benchmarks._spread import interleaved
+
 VARIANTS = ("consecutive", "rounds", "gc-off", "pinned", "toggled")
 
 
@@ -84,8 +86,9 @@ def _lag1(xs: list[float]) -> float:
 def summary(steps: list[dict]) -> dict:
     walls = [s["wall_s"] for s in steps]
     q = statistics.quantiles(walls, n=10) if len(walls) >= 2 else [walls[0]] * 9
-    return {"steps": len(walls), "median_s": statistics.median(walls), "p10_s": q[0],
-            "p90_s": q[-1], "spread": (q[-1] - q[0]) / statistics.median(walls),
+    median = statistics.median(walls)
+    return {"steps": len(walls), "median_s": median, "p10_s": q[0],
+            "p90_s": q[-1], "spread": (q[-1] - q[0]) / median,
             "lag1": _lag1(walls),
             "cpu_over_wall": statistics.median(s["cpu_s"] / s["wall_s"] for s in steps),
             "involuntary": sum(s["involuntary"] for s in steps),
@@ -145,26 +148,25 @@ def probe(step, device: str, n: int, variants, values: list[str], kernels: bool 
 
 def _toggled(step, device: str, n: int, values: str, clock: _GcClock,
              kernels: bool = False) -> dict[str, list]:
-    """The sanitizer entered once, ``n`` pairs of steps on and off (on first in even pairs,
-    off first in odd ones: a trend cancels); ``kernels`` (CUDA): one step each way under
-    torch.profiler, its device time by kernel."""
+    """The sanitizer entered once, ``n`` pairs of steps on and off (``_spread.interleaved``:
+    on first in even pairs, off first in odd ones: a trend cancels); ``kernels`` (CUDA): one
+    step each way under torch.profiler, its device time by kernel."""
+    from benchmarks._sanitize_megatron import switch_of
     from fixes.sanitize import recompute_sanitizer
 
-    on = [True]
-    got: dict[str, list] = {f"toggled-{values}-on": [], f"toggled-{values}-off": []}
+    def run(state: str, measure=lambda: _timed(step, device, clock)):
+        switch(state == "on")
+        return measure()
+
     with recompute_sanitizer(values=values) as sanitizer:
-        sanitizer._on = lambda: on[0]  # benchmark-only: the switch its wrappers read
+        switch = switch_of(sanitizer)
         for _ in range(2):  # the entry and the first walk of the modules, off the clock
             step()
-        for i in range(n):
-            for state in ((True, False) if i % 2 == 0 else (False, True)):
-                on[0] = state
-                got[f"toggled-{values}-{'on' if state else 'off'}"].append(
-                    _timed(step, device, clock))
+        got = {f"toggled-{values}-{state}": steps
+               for state, steps in interleaved(("on", "off"), run, n).items()}
         if kernels and device == "cuda":
-            for state in (True, False):
-                on[0] = state
-                got[f"kernels-{values}-{'on' if state else 'off'}"] = _kernel_times(step)
+            for state in ("on", "off"):
+                got[f"kernels-{values}-{state}"] = run(state, lambda: _kernel_times(step))
     return got
 
 
