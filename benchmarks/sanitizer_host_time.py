@@ -1,0 +1,175 @@
+"""The recompute sanitizer's own host time per checkpointed region, stage by stage, on a real
+megatron-core model (``benchmarks._sanitize_megatron``'s cells).
+
+    python -m benchmarks.sanitizer_host_time --cell moe:128x512:fp32:0.01:moe-layer \
+        [--cell ...] [--values none,sampled,all] [--steps 20] [--rounds 3] [--json OUT]
+
+Where a values mode's step-time cost comes from when it is the host's: on the H200 megatron's
+MoE synchronises inside every layer (the token dispatcher's ``.tolist()``), so each region's
+host work waits for nothing and adds to the step. A step-time ratio on a CPU box cannot
+resolve it (a few ms in a 300 ms step, under another process's load); this times the
+sanitizer's stages directly, with this thread's CPU time, around the functions each stage is
+(none calls another, so the stages add up):
+
+* ``site``: ``RecomputeSanitizer.region`` -- the call site and the region's ``Watch``;
+* ``roots``: ``roots_of`` -- the region's function and tensor arguments;
+* ``forward``: ``Watch._finish_forward`` -- what backward uses of the forward (metadata; the
+  fingerprint where printed);
+* ``reach``: ``Watch.reached`` -- the tensors the region reaches (the kept walk, ``_reach``);
+* ``snapshot``: ``State.__init__`` -- their counters and small tensors' bits at the recompute's
+  start;
+* ``judge``: ``Watch._judge`` -- the recompute's count, metadata (and fingerprint where
+  printed), the state it left (``State.settle``), queued;
+* ``flush``: ``RecomputeSanitizer._flush`` -- a backward's checks after its one
+  synchronisation per device.
+
+Each stage's figure is its time per region (the flush's spread over the backward's regions).
+``--rounds`` rounds of ``--steps`` steps per mode, the modes interleaved round by round, each
+entered once per round and run for a warm-up step first; medians over the rounds. The stages
+are internal functions: a stage that no region reached is an error here, not a zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+VALUES = ("all", "sampled", "none")
+
+
+def _stages() -> dict[str, tuple[object, str]]:
+    """stage -> (the object holding its function, the function's name)."""
+    from fixes.sanitize import _detect, _reach
+    from fixes.sanitize import recompute as rs
+
+    return {"site": (rs.RecomputeSanitizer, "region"), "roots": (rs, "roots_of"),
+            "forward": (_detect.Watch, "_finish_forward"), "reach": (_detect.Watch, "reached"),
+            "snapshot": (_reach.State, "__init__"), "judge": (_detect.Watch, "_judge"),
+            "flush": (rs.RecomputeSanitizer, "_flush")}
+
+
+STAGES = ("site", "roots", "forward", "reach", "snapshot", "judge", "flush")
+
+
+@contextlib.contextmanager
+def timed_stages(seconds: dict[str, float], calls: dict[str, int]) -> Iterator[None]:
+    """Each stage's function wrapped to add its thread time to ``seconds[stage]`` and its
+    calls to ``calls[stage]`` while entered; the originals put back on exit."""
+    clock = time.thread_time
+    originals = []
+    for stage, (owner, name) in _stages().items():
+        original = owner.__dict__[name]
+        originals.append((owner, name, original))
+
+        def timed(*args, __f=original, __stage=stage, **kwargs):
+            start = clock()
+            try:
+                return __f(*args, **kwargs)
+            finally:
+                seconds[__stage] += clock() - start
+                calls[__stage] += 1
+
+        setattr(owner, name, functools.wraps(original)(timed))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, steps: int = 20,
+              rounds: int = 3) -> dict:
+    """Per values mode: regions a step and, per stage (``STAGES``) and in all, the median over
+    ``rounds`` of the sanitizer's host microseconds per region. ValueError if a stage ran in
+    no region (a renamed function: nothing would be measured there)."""
+    from fixes.sanitize import recompute_sanitizer
+
+    runs: dict[str, list[dict]] = {v: [] for v in values}
+    for _ in range(rounds):
+        for v in values:
+            seconds = dict.fromkeys(STAGES, 0.0)
+            calls = dict.fromkeys(STAGES, 0)
+            with recompute_sanitizer(values=v) as sanitizer:
+                step()  # entered, walked: the timed steps are a training run's
+                regions = sanitizer.regions
+                with timed_stages(seconds, calls):
+                    for _ in range(steps):
+                        step()
+                regions = sanitizer.regions - regions
+            if regions == 0:
+                raise ValueError("sanitizer_host_time: the step ran no checkpointed region")
+            missing = [s for s in STAGES if calls[s] == 0]
+            if missing:
+                raise ValueError(f"sanitizer_host_time: stage(s) {', '.join(missing)} ran in no "
+                                 "region: their functions were renamed or are no longer called")
+            runs[v].append({"regions": regions, "seconds": seconds})
+    out = {}
+    for v, rs in runs.items():
+        per = {s: statistics.median(r["seconds"][s] / r["regions"] * 1e6 for r in rs)
+               for s in STAGES}
+        total = statistics.median(sum(r["seconds"].values()) / r["regions"] * 1e6 for r in rs)
+        out[v] = {"regions_per_step": rs[0]["regions"] / steps, "us_per_region": total,
+                  "us_per_region_by_stage": per,
+                  "us_per_region_repeats": [sum(r["seconds"].values()) / r["regions"] * 1e6
+                                            for r in rs]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks._sanitize_megatron import cell_arg
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sanitizer_host_time",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--cell", action="append", default=[], metavar="MODEL:SIZE:DTYPE:AUX:RECOMPUTE",
+                   help="a cell of benchmarks._sanitize_megatron (repeatable; required)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--values", default=",".join(VALUES),
+                   help=f"values modes, comma-separated, of {', '.join(VALUES)}")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (modes interleaved)")
+    p.add_argument("--json", metavar="PATH", help="write every cell's figures here")
+    args = p.parse_args(argv)
+    values = tuple(args.values.split(","))
+    if not args.cell:
+        p.error("give at least one --cell MODEL:SIZE:DTYPE:AUX:RECOMPUTE")
+    if not values or any(v not in VALUES for v in values):
+        p.error(f"--values {args.values!r}: allowed: {', '.join(VALUES)}")
+    if args.steps < 1 or args.rounds < 1:
+        p.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
+    cells = [cell_arg(c, p) for c in args.cell]
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the host's own work, not the intra-op pool's
+    from benchmarks._sanitize_megatron import cell_step
+
+    results = []
+    for text, (model, size, dtype, aux, recompute) in zip(args.cell, cells, strict=True):
+        hidden, seq = (int(v) for v in size.split("x"))
+        _, step = cell_step(model, args.device, hidden, seq, dtype, aux_loss=aux,
+                            recompute=recompute)
+        result = {"cell": text, "device": args.device, "steps": args.steps,
+                  "rounds": args.rounds, "modes": host_time(step, values, args.steps,
+                                                            args.rounds)}
+        results.append(result)
+        for v, m in result["modes"].items():
+            stages = ", ".join(f"{s} {us:.0f}" for s, us in m["us_per_region_by_stage"].items())
+            print(f"{text} values={v}: {m['us_per_region']:.0f} us/region "
+                  f"({m['regions_per_step']:.0f} regions/step; {stages})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
