@@ -84,9 +84,10 @@ def _mode(name: str):
 
 
 def cell_step(model: str, device: str, hidden: int, seq: int, dtype: str, *,
-              aux_loss: float = 0.0, recompute: str = "full"):
-    """(the model, its step): one training step of the cell -- zeroed gradients, forward,
-    backward, the device synchronised -- returning copies of the gradients."""
+              aux_loss: float = 0.0, recompute: str = "full", layers: int = 4):
+    """(the model, its step): one training step of the cell (``layers`` transformer layers)
+    -- zeroed gradients, forward, backward, the device synchronised -- returning copies of
+    the gradients."""
     import torch
 
     from benchmarks.megatron_scale import _build
@@ -98,7 +99,7 @@ def cell_step(model: str, device: str, hidden: int, seq: int, dtype: str, *,
 
         install_megatron_cpu_moe_shim()
     gpt = _build(model, "allgather", hidden, seq, dtype, device, aux_loss_coeff=aux_loss,
-                 recompute=recompute)
+                 recompute=recompute, layers=layers)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 32000, (1, seq), generator=g).to(device)
     labels = torch.randint(0, 32000, (1, seq), generator=g).to(device)

@@ -107,10 +107,11 @@ class Cell:
 
 
 def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, device: str, *,
-           aux_loss_coeff: float = 0.0, recompute: str = "full"):
-    """The model of a cell. ``aux_loss_coeff`` (MoE models): megatron's load-balancing aux
-    loss (and a z-loss a tenth of it) when > 0. ``recompute``: ``full`` (uniform, one layer per
-    checkpoint) or ``moe-layer`` (selective: the MoE layer and core attention)."""
+           aux_loss_coeff: float = 0.0, recompute: str = "full", layers: int = 4):
+    """The model of a cell (``layers`` transformer layers). ``aux_loss_coeff`` (MoE models):
+    megatron's load-balancing aux loss (and a z-loss a tenth of it) when > 0. ``recompute``:
+    ``full`` (uniform, one layer per checkpoint) or ``moe-layer`` (selective: the MoE layer and
+    core attention)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -125,7 +126,7 @@ def _build(model: str, dispatcher: str, hidden: int, seq: int, dtype: str, devic
                         recompute_num_layers=1) if recompute == "full" else
                    dict(recompute_granularity="selective", recompute_modules=["moe", "core_attn"]))
     cfg = TransformerConfig(
-        num_layers=4, hidden_size=hidden, num_attention_heads=hidden // 128,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 128,
         ffn_hidden_size=(hidden * 2 if moe else hidden * 4), **granularity,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,

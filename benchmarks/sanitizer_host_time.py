@@ -2,7 +2,8 @@
 megatron-core model (``benchmarks._sanitize_megatron``'s cells).
 
     python -m benchmarks.sanitizer_host_time --cell moe:128x512:fp32:0.01:moe-layer \
-        [--cell ...] [--values none,sampled,all] [--steps 20] [--rounds 3] [--json OUT]
+        [--cell ...] [--layers 4] [--values none,sampled,all] [--steps 20] [--rounds 3] \
+        [--device cpu|cuda] [--json OUT]
 
 Where a values mode's step-time cost comes from when it is the host's: on the H200 megatron's
 MoE synchronises inside every layer (the token dispatcher's ``.tolist()``), so each region's
@@ -24,6 +25,9 @@ sanitizer's stages directly, with this thread's CPU time, around the functions e
   synchronisation per device.
 
 Each stage's figure is its time per region (the flush's spread over the backward's regions).
+``--layers 2,4,8,16`` builds each cell at each depth: megatron's full recompute checkpoints
+one layer per region with the whole block in its closure, so every region reaches every
+layer's parameters and routing state, and a region's host time grows with the depth.
 ``--rounds`` rounds of ``--steps`` steps per mode, the modes interleaved round by round, each
 entered once per round and run for a warm-up step first; medians over the rounds. The stages
 are internal functions: a stage that no region reached is an error here, not a zero.
@@ -34,6 +38,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
+import itertools
 import json
 import statistics
 import sys
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cell", action="append", default=[], metavar="MODEL:SIZE:DTYPE:AUX:RECOMPUTE",
                    help="a cell of benchmarks._sanitize_megatron (repeatable; required)")
+    p.add_argument("--layers", default="4",
+                   help="transformer layers of each cell, comma-separated (one build each)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--values", default=",".join(VALUES),
                    help=f"values modes, comma-separated, of {', '.join(VALUES)}")
@@ -144,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.rounds < 1:
         p.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
     cells = [cell_arg(c, p) for c in args.cell]
+    depths = args.layers.split(",")
+    if not all(d.isdigit() and int(d) >= 1 for d in depths):
+        p.error(f"--layers {args.layers!r}: positive integers, comma-separated (e.g. 2,4,8)")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -153,18 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._sanitize_megatron import cell_step
 
     results = []
-    for text, (model, size, dtype, aux, recompute) in zip(args.cell, cells, strict=True):
+    for (text, (model, size, dtype, aux, recompute)), layers in itertools.product(
+            zip(args.cell, cells, strict=True), map(int, depths)):
         hidden, seq = (int(v) for v in size.split("x"))
-        _, step = cell_step(model, args.device, hidden, seq, dtype, aux_loss=aux,
-                            recompute=recompute)
-        result = {"cell": text, "device": args.device, "steps": args.steps,
+        gpt, step = cell_step(model, args.device, hidden, seq, dtype, aux_loss=aux,
+                              recompute=recompute, layers=layers)
+        result = {"cell": text, "layers": layers, "device": args.device, "steps": args.steps,
                   "rounds": args.rounds, "modes": host_time(step, values, args.steps,
                                                             args.rounds)}
         results.append(result)
         for v, m in result["modes"].items():
             stages = ", ".join(f"{s} {us:.0f}" for s, us in m["us_per_region_by_stage"].items())
-            print(f"{text} values={v}: {m['us_per_region']:.0f} us/region "
+            print(f"{text} layers={layers} values={v}: {m['us_per_region']:.0f} us/region "
                   f"({m['regions_per_step']:.0f} regions/step; {stages})", flush=True)
+        del gpt, step  # this build goes before the next
+        gc.collect()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

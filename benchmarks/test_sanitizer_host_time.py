@@ -61,6 +61,7 @@ def test_a_step_without_regions_is_an_error_not_zero():
     (["--cell", "moe:128x8:fp32:0:full", "--values", "some"], "allowed: all, sampled, none"),
     (["--cell", "moe:128x8:fp32:0:full", "--steps", "0"], "--steps and --rounds must be >= 1"),
     (["--cell", "moe:128:fp32:0:full"], "expected MODEL:SIZE:DTYPE:AUX:RECOMPUTE"),
+    (["--cell", "moe:128x8:fp32:0:full", "--layers", "4,0"], "positive integers"),
 ])
 def test_bad_arguments_name_what_is_allowed(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

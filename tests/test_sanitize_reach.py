@@ -667,3 +667,35 @@ def test_a_reached_tensor_is_named_by_its_path_from_the_outermost_module():
         "Module.layers.0.dispatcher.counts")
     assert _reach.tensor_name(arg, roots) == "the region's argument"
     assert _reach.tensor_name(stray, roots) is None
+
+
+def test_the_snapshot_reads_each_kind_of_small_tensor_by_its_own_bits():
+    """Mixed dtypes in one buffer; a transposed tensor (its "view" a copy: read again at the
+    end), a negative-bit view, complex and float8 each read by their own bits; the changed
+    ones named in the order the region reaches them, and given their bits back (all but the
+    negative-bit view, which ``restore`` refuses)."""
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    small = [torch.zeros(3), torch.arange(4, dtype=torch.int64), base.t(),
+             torch._neg_view(torch.ones(2)), torch.zeros(2, dtype=torch.complex64),
+             torch.tensor([True]), torch.zeros(5), torch.zeros(2, dtype=torch.float8_e4m3fn)]
+    state = _reach.State(small)
+    assert len(state.small) == len(small)
+    indices, snapshot = state.snapshots[torch.device("cpu")]
+    assert sorted(indices) == list(range(len(small)))
+    assert snapshot.numel() == sum(t.numel() * t.element_size() for t in small)
+    assert [bool(f) for f in state.flags()] == [False]
+    before = [t.clone() for t in small]
+    base[1, 2] = 50.0  # through the transposed view's storage
+    small[3].add_(1.0)  # -1 -> 0 through the negative bit
+    small[6][4] = 1.0
+    small[7].view(torch.uint8)[1] = 1
+    assert [bool(f) for f in state.flags()] == [True]
+    changed = state.changed()
+    assert [id(t) for t, _ in changed] == [id(small[i]) for i in (2, 3, 6, 7)]
+    # given back, all but the negative-bit view (its bits are no view of it: ``restore``)
+    assert [_reach.State.restore(t, bits) for t, bits in changed] == [True, False, True, True]
+    small[3].sub_(1.0)
+    for t, b in zip(small, before, strict=True):
+        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert [bool(f) for f in state.flags()] == [False]
