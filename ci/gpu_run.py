@@ -252,6 +252,15 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *(a for c in ("gpt-mtp:1024x2048:bf16:0:full",
                           "moe:1024x2048:bf16:0.01:moe-layer") for a in ("--cell", c))],
             200, json="sanitizer-device-time.json", alone=True)],
+        # the sanitizer's own host time per region, stage by stage, on the H200's host (the
+        # bf16 cells; the MoE GPT with full recompute at 4 and 16 layers: every region reaches
+        # the whole block), alone on the GPU
+        "sanitizer-host-time": [Step("sanitizer-host-time", [
+            PY, "-m", "benchmarks.sanitizer_host_time", "--device", "cuda", "--steps", "10",
+            "--rounds", "3", "--layers", "4,16", "--json", o("sanitizer-host-time.json"),
+            *(a for c in ("moe:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer",
+                          "gpt-mtp:1024x2048:bf16:0:full") for a in ("--cell", c))],
+            240, json="sanitizer-host-time.json", alone=True)],
         # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
         # threads; the CPU suite on the GPU host
         "child-phases": [Step("child-phases-cuda", [
