@@ -72,6 +72,12 @@ class Step:
     alone: bool = False
 
 
+def _cell_args(*cells: str) -> list[str]:
+    """``--cell C`` for each of ``cells`` (benchmarks._sanitize_megatron's MODEL:SIZE:DTYPE:AUX:
+    RECOMPUTE), as the runners that take several cells are given them."""
+    return [arg for cell in cells for arg in ("--cell", cell)]
+
+
 def _steps(out: str) -> dict[str, list[Step]]:
     """Target -> its steps (``out``: where their files go)."""
     o = lambda name: f"{out}/{name}"  # noqa: E731
@@ -240,8 +246,8 @@ def _steps(out: str) -> dict[str, list[Step]]:
         "step-noise": [Step("step-noise", [
             PY, "-m", "benchmarks.step_noise", "--device", "cuda", "--steps", "40",
             "--values", "none,sampled,all", "--json", o("step-noise.json"),
-            *(a for c in ("moe:1024x2048:bf16:0:full", "gpt-mtp:1024x2048:bf16:0:full",
-                          "moe:1024x2048:fp32:0.01:moe-layer") for a in ("--cell", c))],
+            *_cell_args("moe:1024x2048:bf16:0:full", "gpt-mtp:1024x2048:bf16:0:full",
+                        "moe:1024x2048:fp32:0.01:moe-layer")],
             300, json="step-noise.json", alone=True)],
         # the sanitizer switched on and off step by step on the bf16 cells whose "all" costs
         # most, each way one step under torch.profiler: what it adds on the device
@@ -249,8 +255,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
             PY, "-m", "benchmarks.step_noise", "--device", "cuda", "--steps", "12",
             "--variants", "toggled", "--values", "all,none", "--kernels", "--json",
             o("sanitizer-device-time.json"),
-            *(a for c in ("gpt-mtp:1024x2048:bf16:0:full",
-                          "moe:1024x2048:bf16:0.01:moe-layer") for a in ("--cell", c))],
+            *_cell_args("gpt-mtp:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer")],
             200, json="sanitizer-device-time.json", alone=True)],
         # the sanitizer's own host time per region, stage by stage, on the H200's host (the
         # bf16 cells; the MoE GPT with full recompute at 4 and 16 layers: every region reaches
@@ -258,8 +263,8 @@ def _steps(out: str) -> dict[str, list[Step]]:
         "sanitizer-host-time": [Step("sanitizer-host-time", [
             PY, "-m", "benchmarks.sanitizer_host_time", "--device", "cuda", "--steps", "10",
             "--rounds", "3", "--layers", "4,16", "--json", o("sanitizer-host-time.json"),
-            *(a for c in ("moe:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer",
-                          "gpt-mtp:1024x2048:bf16:0:full") for a in ("--cell", c))],
+            *_cell_args("moe:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer",
+                        "gpt-mtp:1024x2048:bf16:0:full")],
             240, json="sanitizer-host-time.json", alone=True)],
         # diagnostics of earlier sessions: where a CUDA child's time goes; the fork server's
         # threads; the CPU suite on the GPU host
