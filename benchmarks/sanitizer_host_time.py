@@ -14,6 +14,9 @@ sanitizer's stages directly, with this thread's CPU time, around the functions e
 
 * ``site``: ``RecomputeSanitizer.region`` -- the call site and the region's ``Watch``;
 * ``roots``: ``roots_of`` -- the region's function and tensor arguments;
+* ``ran``: ``ModulesRun._called`` -- the forward pre-hook recording each module the region's
+  forward runs (``_ran``; torch's slower module call while a hook is registered is the
+  model's time, not counted here);
 * ``forward``: ``Watch._finish_forward`` -- what backward uses of the forward (metadata; the
   fingerprint where printed);
 * ``reach``: ``Watch.reached`` -- the tensors the region reaches (the kept walk, ``_reach``);
@@ -26,8 +29,9 @@ sanitizer's stages directly, with this thread's CPU time, around the functions e
 
 Each stage's figure is its time per region (the flush's spread over the backward's regions).
 ``--layers 2,4,8,16`` builds each cell at each depth: megatron's full recompute checkpoints
-one layer per region with the whole block in its closure, so every region reaches every
-layer's parameters and routing state, and a region's host time grows with the depth.
+one layer per region with the whole block in its closure; a region reaches the layer its
+forward ran (``fixes.sanitize._ran``), so a region's host time should not grow with the
+depth (it did when every region reached every layer).
 ``--rounds`` rounds of ``--steps`` steps per mode, the modes interleaved round by round, each
 entered once per round and run for a warm-up step first; medians over the rounds. The stages
 are internal functions: a stage that no region reached is an error here, not a zero.
@@ -51,16 +55,17 @@ VALUES = ("all", "sampled", "none")
 
 def _stages() -> dict[str, tuple[object, str]]:
     """stage -> (the object holding its function, the function's name)."""
-    from fixes.sanitize import _detect, _reach
+    from fixes.sanitize import _detect, _ran, _reach
     from fixes.sanitize import recompute as rs
 
     return {"site": (rs.RecomputeSanitizer, "region"), "roots": (rs, "roots_of"),
+            "ran": (_ran.ModulesRun, "_called"),
             "forward": (_detect.Watch, "_finish_forward"), "reach": (_detect.Watch, "reached"),
             "snapshot": (_reach.State, "__init__"), "judge": (_detect.Watch, "_judge"),
             "flush": (rs.RecomputeSanitizer, "_flush")}
 
 
-STAGES = ("site", "roots", "forward", "reach", "snapshot", "judge", "flush")
+STAGES = ("site", "roots", "ran", "forward", "reach", "snapshot", "judge", "flush")
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ def test_a_kept_walk_is_not_reused_for_another_module_at_a_reused_id():
     walks = _reach.Walks()
     model = _model(_Config(), n=1)
     walks.reached([model], fresh=True)
-    key = (id(model),)
+    key = ((id(model),), ())  # (walked whole, read alone)
     other = types.SimpleNamespace()  # a stand-in where the module was: the weakref no longer
     walks._kept[key].refs = [lambda: other]  # names this module
     got = walks.reached([model], fresh=False)
@@ -182,7 +182,8 @@ def test_a_checked_walk_reads_again_only_what_changed(monkeypatch):
 def _counting(monkeypatch) -> list:
     calls = []
     walk = _reach._walk
-    monkeypatch.setattr(_reach, "_walk", lambda modules: calls.append(1) or walk(modules))
+    monkeypatch.setattr(_reach, "_walk",
+                        lambda *modules: calls.append(1) or walk(*modules))
     return calls
 
 
@@ -699,3 +700,97 @@ def test_the_snapshot_reads_each_kind_of_small_tensor_by_its_own_bits():
         assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     assert [bool(f) for f in state.flags()] == [False]
+
+
+def _megatron_like_block(n: int):
+    """megatron's ``TransformerBlock``: layers in a ``ModuleList``, a buffer of its own, and
+    each layer's region a closure over the whole block (``self._get_layer(index)``)."""
+    block = torch.nn.Module()
+    block.layers = torch.nn.ModuleList()
+    for _ in range(n):
+        layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        layer.register_buffer("calls", torch.zeros(()))
+        block.layers.append(layer)
+    block.register_buffer("step", torch.zeros(()))
+
+    def region(i):
+        def custom(h):
+            return block.layers[i](h)
+        return custom
+    return block, region
+
+
+def _ids(tensors) -> set[int]:
+    return set(map(id, tensors))
+
+
+@pytest.mark.parametrize("walked", ["kept", "plain"])
+def test_a_region_reaches_the_modules_its_forward_ran_and_its_roots_own_state(walked):
+    """The block in each layer's region's closure: the region reaches the layer that ran (its
+    subtree) and the block's own buffer, not the other layers' parameters and buffers."""
+    block, region = _megatron_like_block(3)
+    layer = block.layers[1]
+    ran = [layer, *layer]  # as ``_ran`` records it: the layer, then its submodules
+    walks = _reach.Walks()
+    got = _ids(walks.reached([region(1)], fresh=True, ran=ran) if walked == "kept"
+               else _reach.reached([region(1)], ran=ran))
+    assert got == _ids([*layer.parameters(), *layer.buffers(), block.step])
+
+
+def test_a_root_none_of_whose_modules_ran_is_reached_whole():
+    """A function that reads a module's parameters without calling it (``F.linear(x,
+    norm.weight)``): nothing of it ran, all of it is reached; so with no record at all."""
+    block, region = _megatron_like_block(2)
+    norm = torch.nn.LayerNorm(4)
+
+    def f(h):
+        return torch.nn.functional.layer_norm(block.layers[0](h), (4,), norm.weight, norm.bias)
+
+    ran = [block.layers[0], *block.layers[0]]
+    everything = _ids([*block.parameters(), *block.buffers(), *norm.parameters()])
+    assert _ids(_reach.reached([f], ran=ran)) == everything - _ids(
+        [*block.layers[1].parameters(), *block.layers[1].buffers()])
+    assert _ids(_reach.reached([f], ran=None)) == everything
+    assert _ids(_reach.reached([f], ran=[])) == everything
+
+
+def test_a_submodule_called_without_its_parent_is_reached_alone():
+    """The region calls one layer's linear directly: that linear is the outermost module that
+    ran; the layer's other submodules are not reached, the block's and the layer's own state
+    is (each root read alone where some submodule of it ran)."""
+    block, region = _megatron_like_block(2)
+    lin = block.layers[0][0]
+
+    def f(h):
+        return lin(h)
+
+    assert _ids(_reach.reached([f, block], ran=[lin])) == _ids(
+        [*lin.parameters(), block.step])
+    # ``lin`` is also a root of its own: walked whole, not twice
+    assert len(_reach.reached([f, block, lin], ran=[lin])) == 3
+
+
+def test_a_region_of_a_deeper_block_reads_as_many_tensors():
+    """What a layer's region reaches does not grow with the number of layers (it grew as the
+    block, and a step's host time with the square of its depth)."""
+    sizes = []
+    for n in (2, 8):
+        block, region = _megatron_like_block(n)
+        walks = _reach.Walks()
+        layer = block.layers[n - 1]
+        found = walks.reach([region(n - 1)], fresh=False, ran=[layer, *layer])
+        sizes.append((len(found.small), len(found.versioned)))
+    assert sizes[0] == sizes[1]
+
+
+def test_the_kept_walk_of_a_narrowed_region_sees_a_layer_registered_since(monkeypatch):
+    """The subtree a narrowing reads is kept while no module is registered: a layer appended
+    to the block since (a registration) is reached by its own region."""
+    block, region = _megatron_like_block(1)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([region(0)], fresh=False, ran=[block.layers[0]])
+        block.layers.append(torch.nn.Linear(4, 4))
+        new = block.layers[1]
+        got = _ids(walks.reached([region(1)], fresh=False, ran=[new]))
+    assert got == _ids([*new.parameters(), block.step])

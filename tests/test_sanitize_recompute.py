@@ -882,6 +882,74 @@ def test_a_reentrant_region_no_input_of_which_requires_grad_is_named_at_its_forw
         checkpoint(layer, x, use_reentrant=True)
 
 
+class _FrozenBottom(torch.nn.Module):
+    """megatron's ``recompute_method="block"``: the first ``checkpointed`` layers in reentrant
+    regions, each a closure over the whole block (``self._get_layer(index)``), the rest run
+    plainly."""
+
+    def __init__(self, n: int, checkpointed: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+        self.checkpointed = checkpointed
+
+    def forward(self, h):
+        for i in range(len(self.layers)):
+            if i < self.checkpointed:
+                h = checkpoint(lambda x, i=i: torch.tanh(self.layers[i](x)), h,
+                               use_reentrant=True)
+            else:
+                h = torch.tanh(self.layers[i](h))
+        return h
+
+
+@pytest.mark.parametrize("values", ["all", "none"])
+def test_a_frozen_bottom_layer_is_judged_by_its_own_parameters_not_the_blocks(values):
+    """PEFT-style: the embedding and the bottom (checkpointed) layer frozen, the layers above
+    trainable. The bottom region is never recomputed and needs not be: its parameters are
+    frozen, the layers above get their gradients. Its closure holds the whole block: read as
+    the region's, the trainable layers' parameters made a false "never recomputed" (on real
+    megatron too: ``test_sanitize_recompute_real_models``). Narrowed to the modules its
+    forward ran, it is silent; a trainable checkpointed layer is still named, by its path."""
+    import warnings
+
+    block = _FrozenBottom(3, checkpointed=1)
+    block.layers[0].requires_grad_(False)
+    x = torch.randn(4, 8)  # a frozen embedding's output
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
+        with recompute_sanitizer(values=values):
+            block(x).sum().backward()
+        assert all(p.grad is not None for p in block.layers[1:].parameters())
+        block = _FrozenBottom(3, checkpointed=2)
+        block.layers[0].requires_grad_(False)  # layer 1, checkpointed, gets no gradient
+        with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
+                recompute_sanitizer(values=values):
+            block(x)
+    assert caught.value.item == "_FrozenBottom.layers.1.weight, _FrozenBottom.layers.1.bias"
+
+
+def test_the_module_hook_is_held_only_while_a_regions_forward_runs():
+    """What a region's forward ran is recorded by a global forward pre-hook (``_ran``): none is
+    registered while the sanitizer is entered with no region's forward running (a module call
+    keeps torch's fast path), nor during the recompute."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    seen = []
+    before = len(hooks)
+
+    def f(x):
+        seen.append(len(hooks))
+        return torch.tanh(x)
+
+    for reentrant in (True, False):
+        seen.clear()
+        with recompute_sanitizer(values="none"):
+            assert len(hooks) == before
+            y = checkpoint(f, torch.randn(2, requires_grad=True), use_reentrant=reentrant)
+            assert len(hooks) == before
+            y.sum().backward()
+        assert seen == [before + 1, before], (reentrant, seen)  # forward, recompute
+
+
 def test_a_backward_flushes_its_checks_once_whatever_its_regions(monkeypatch):
     """Each recompute's check is queued for the end of its backward; one callback flushes them
     all (four regions: one flush, not four), and a backward that failed before its callbacks

@@ -102,6 +102,42 @@ def step():
 sanitized_runs(step)
 '''
 
+MEGATRON_FROZEN_BOTTOM = _COMPARE + '''
+import sys, warnings
+from repro.harness.megatron_world import setup_megatron
+from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
+setup_megatron("cpu")
+install_megatron_cpu_moe_shim()
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+warnings.simplefilter("ignore")
+seq, vocab = 32, 256
+cfg = TransformerConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+    hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+    use_cpu_initialization=True, recompute_granularity="full", recompute_method="block",
+    recompute_num_layers=1)  # the bottom layer checkpointed, the top one run plainly
+torch.manual_seed(0)
+gpt = GPTModel(config=cfg, vocab_size=vocab, max_sequence_length=seq,
+               transformer_layer_spec=get_gpt_layer_local_spec()).train()
+gpt.embedding.requires_grad_(False)
+if sys.argv[1] == "frozen":
+    gpt.decoder.layers[0].requires_grad_(False)
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, vocab, (1, seq), generator=g)
+pos = torch.arange(seq).unsqueeze(0)
+mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).tril().logical_not()
+
+def step():
+    gpt.zero_grad(set_to_none=True)
+    gpt(ids, pos, mask, labels=ids).float().sum().backward()
+    return [p.grad.clone() for p in gpt.parameters() if p.grad is not None]
+
+sanitized_runs(step)
+'''
+
 MEGATRON_SEQUENCE_PARALLEL_LINEAR = _COMPARE + '''
 from repro.harness.megatron_world import setup_megatron
 from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
@@ -210,6 +246,32 @@ def test_megatron_moe_gpt_with_the_aux_loss_on(recompute):
     assert r.returncode == 0, r.stderr[-4000:]
     result = _result(r.stdout)
     _assert_silent(result, min_regions=2)
+
+
+@pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")
+@pytest.mark.parametrize("bottom", ["frozen", "trainable"])
+def test_megatron_frozen_embedding_with_the_bottom_layer_checkpointed_by_block(bottom):
+    """``recompute_method="block"``, one layer of two checkpointed, the embedding frozen: the
+    bottom layer's reentrant region is never recomputed. Frozen, that is correct -- every
+    trainable parameter still gets its gradient, and the sanitizer (whose region holds the
+    whole block in its closure) must not name the top layer's parameters as the region's;
+    trainable, its parameters get no gradient and are named, by their path."""
+    r = run_isolated(code=MEGATRON_FROZEN_BOTTOM, args=[bottom], timeout=300,
+                     env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    result = _result(r.stdout)
+    assert result["noise_free"]
+    for mode in MODES:
+        run = result[mode]
+        if bottom == "trainable":
+            assert "is never recomputed" in (run["raised"] or ""), run
+            assert "TransformerBlock.layers.0." in run["raised"]
+            assert "layers.1." not in run["raised"] and "final_layernorm" not in run["raised"]
+            continue
+        assert run["raised"] is None, f"false alarm in values={mode!r}:\n{run['raised']}"
+        assert run["equal"] and not run["errors"], run
+        assert run["regions"] == 2 and run["recomputes"] == 0, run  # two steps, none recomputed
+        assert run["detections"] == run["located"] == 0, run
 
 
 @pytest.mark.skipif(_NO_MEGATRON, reason="megatron-core is not installed")

@@ -14,7 +14,7 @@ Per region (a ``Watch``):
   device, one host synchronisation per device after the backward);
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
-  hold) -- small non-parameter ones by their contents before and after (batch norm updates its
+  hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``) -- small non-parameter ones by their contents before and after (batch norm updates its
   running statistics without bumping their version counter), the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
   registered, for at most ``REWALK_ROUNDS`` steps; in ``all`` checked once a step against the
@@ -22,7 +22,9 @@ Per region (a ``Watch``):
   module is scanned again when a tensor found in it is freed).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
-object that is no module), a rebound Python attribute, state outside tensors (a communicator
+object that is no module, a submodule's state read without calling it or a module holding it
+while other submodules of the same module held by the region ran: megatron's block's other
+layers), a rebound Python attribute, state outside tensors (a communicator
 handle, a Python counter), a write the recompute causes after it ends (a hook it registers
 that fires later in the backward: each region is judged by what its recompute left when it
 ended, so a later region's write or the backward's own is not taken for it) -- unless its
@@ -39,6 +41,7 @@ unlocated error at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import weakref
@@ -50,6 +53,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Verdict
+from fixes.sanitize._ran import ModulesRun
 from fixes.sanitize._reach import Reached, State, Walks, reached, tensor_name
 
 __all__ = ["Detection", "Watch"]
@@ -158,11 +162,16 @@ class Watch:
 
     def __init__(self, kind: str, label: str, site: tuple[str, ...], stats, roots,
                  reentrant: bool, printed: bool, found, walks: Walks | None = None,
-                 fresh: bool = True):
+                 fresh: bool = True, modules_run: ModulesRun | None = None):
         self.kind, self.label, self.site, self.stats = kind, label, site, stats
         self.reentrant, self.printed, self.found = reentrant, printed, found
         self._walks, self._fresh = walks, fresh  # see _reach.Walks
         self._roots = [weakref.ref(r) if _weakable(r) else r for r in roots]
+        # the modules its forward ran (``_ran``): what it reaches is narrowed to them. Held
+        # strongly: the checkpoint holds the region's function, whose closure holds them,
+        # until the backward (a weak reference each cost more than the narrowing)
+        self._modules_run = modules_run
+        self.ran: list[torch.nn.Module] | None = None
         self.forward: _Side | None = None
         self.broken: str | None = None
         self.judged_outside = False
@@ -180,8 +189,18 @@ class Watch:
     def reached(self) -> Reached | list[torch.Tensor]:
         roots = self._live_roots()
         if self._walks is None:
-            return reached(roots)
-        return self._walks.reach(roots, self._fresh)
+            return reached(roots, self.ran)
+        return self._walks.reach(roots, self._fresh, self.ran)
+
+    def _recording_modules(self):
+        """A context recording the modules the forward runs (``_ran``), or none."""
+        if self._modules_run is None:
+            return contextlib.nullcontext([])
+        return self._modules_run.recording()
+
+    def _ran_these(self, modules: list[torch.nn.Module]) -> None:
+        if self._modules_run is not None:
+            self.ran = modules
 
     # -- non-reentrant -------------------------------------------------------------------------
 
@@ -257,7 +276,9 @@ class Watch:
         def region_function(*args, **kwargs):
             if self.forward is None:
                 self.stats.regions += 1
-                out = fn(*args, **kwargs)
+                with self._recording_modules() as ran:
+                    out = fn(*args, **kwargs)
+                self._ran_these(ran)
                 self._finish_forward(fp.tensors(out))
                 return out
             self.stats.recomputes += 1
@@ -461,15 +482,19 @@ class _Recording:
     def __init__(self, watch: Watch):
         self.watch = watch
         self.packs = _Packs()
+        self.modules = watch._recording_modules()
 
     def __enter__(self):
         self.packs.__enter__()
+        self.ran = self.modules.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self.modules.__exit__(exc_type, exc, tb)
         self.packs.__exit__()
         tensors, self.packs = self.packs.tensors, None
         if exc_type is None:
+            self.watch._ran_these(self.ran)
             self.watch._finish_forward(tensors)
         return False
 

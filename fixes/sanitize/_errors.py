@@ -66,27 +66,26 @@ def unlocated_error(found, why: str) -> RecomputeMismatchError:
         what=Divergence.UNLOCATED, position=None, op=None, forward_site=(), recompute_site=())
 
 
-def never_recomputed_error(region: str, roots) -> RecomputeMismatchError | None:
+def never_recomputed_error(region: str, roots, ran=None) -> RecomputeMismatchError | None:
     """A reentrant region entered with grad enabled whose inputs none require grad is never
     recomputed (its output has no grad_fn): the trainable parameters its function uses get no
     gradient, silently (a frozen base model under PEFT, detached MTP inputs; torch's reentrant
     checkpoint only warns, megatron's says nothing). The error naming them, or None if every
-    parameter it reaches is frozen."""
-    names: dict[int, str] = {}
-    for root in roots:
-        if isinstance(root, torch.nn.Module):
-            for name, p in root.named_parameters():
-                if p.requires_grad:
-                    names.setdefault(id(p), f"{type(root).__name__}.{name}")
-    from fixes.sanitize._reach import reached  # the walk needs torch's modules, not errors
+    parameter it reaches (narrowed to the modules its forward ``ran``: megatron's layer
+    regions hold the whole block, whose other layers' parameters are not theirs) is frozen."""
+    from fixes.sanitize._reach import reached, tensor_name  # the walk needs torch's modules
 
-    for t in reached(roots):
-        if isinstance(t, torch.nn.Parameter) and t.requires_grad:
-            names.setdefault(id(t), f"a parameter of shape {list(t.shape)}")
-    if not names:
+    trainable = [t for t in reached(roots, ran)
+                 if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    if not trainable:
         return None
-    listed = ", ".join(list(names.values())[:8]) + (
-        f" and {len(names) - 8} more" if len(names) > 8 else "")
+    names = []
+    for t in trainable[:8]:
+        name = tensor_name(t, roots)
+        names.append(name if name not in (None, "the region's argument")
+                     else f"a parameter of shape {list(t.shape)}")
+    listed = ", ".join(names) + (
+        f" and {len(trainable) - 8} more" if len(trainable) > 8 else "")
     message = (f"checkpointed region {region} is never recomputed: it was entered with grad "
                "enabled, but none of its inputs requires grad, so the reentrant checkpoint's "
                "output has no grad_fn and backward never reaches it; its trainable parameters "

@@ -1,13 +1,20 @@
 """What a checkpointed region reaches outside itself, and whether its recompute left it changed:
 the detect tier's check of writes outside the region (``_detect``).
 
-* ``reached(roots)``: the plain tensors reachable from a region's function and arguments --
-  the tensors among them (and in their closures, default arguments, partials, lists, dicts,
-  two levels deep), and every parameter, buffer and tensor attribute of the modules among
-  them. Each module and each plain object is walked once: megatron's modules all hold one
-  ``TransformerConfig``, and walking it again under each of an MoE layer's thousand modules
-  was most of a sanitized step's host time on the H200 (``values="none"`` cost 1.41x a step
-  at H=1024).
+* ``reached(roots, ran)``: the plain tensors reachable from a region's function and
+  arguments -- the tensors among them (and in their closures, default arguments, partials,
+  lists, dicts, two levels deep), and every parameter, buffer and tensor attribute of the
+  modules among them, narrowed to the modules the region's forward ran (``narrowed``, the
+  record of ``_ran``): a module among them that ran, or none of whose submodules ran, whole;
+  one some of whose submodules ran, its own tensors and the outermost of those submodules
+  whole. Megatron's full recompute checkpoints each layer with the whole block in the
+  region's closure: every region reached every layer, a region's host time grew with the
+  depth and a step's with its square (``python -m benchmarks.sanitizer_host_time
+  --layers``), and the never-recomputed check read the block's trainable layers as a
+  frozen bottom layer's. Each module and each plain object is walked once: megatron's
+  modules all hold one ``TransformerConfig``, and walking it again under each of an MoE
+  layer's thousand modules was most of a sanitized step's host time on the H200
+  (``values="none"`` cost 1.41x a step at H=1024).
 * ``Walks``: the walk of a region's modules (their subtrees and attributes: the costly part)
   kept per set of modules, across rounds, while nothing it could have missed changed: no
   parameter, buffer or submodule was registered anywhere (torch's global registration hooks,
@@ -21,8 +28,8 @@ the detect tier's check of writes outside the region (``_detect``).
   weakly, its parameters kept as compared by counter (``Reached``) and every other tensor
   sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
   since the walk), and learns of a death by the weak reference's callback: a region reads it
-  with no call per module or parameter (megatron's layers each reach the whole block's parameters; sorting
-  them again per region was most of ``values="none"``'s remaining host time,
+  with no call per module or parameter (when megatron's layers each reached the whole
+  block's parameters, sorting them again per region was most of ``values="none"``'s remaining host time,
   ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
   alive elsewhere leaves them compared until the next fresh walk (more checked, none missed).
   ``fresh`` (the sanitizer asks it for every region in ``values="all"``) asks for a walk
@@ -39,8 +46,8 @@ the detect tier's check of writes outside the region (``_detect``).
   the recompute's start and one at its end, so a region costs two copies per device, not a
   few per tensor; the others by version counter, read in one pass (``map``) at the
   recompute's start and end. Judged by what the recompute left, not by what the tensors hold
-  when the backward ends: megatron's layers each reach the whole block's buffers, and a
-  write by one layer's recompute was taken for every region recomputed before it.
+  when the backward ends: regions that reach one buffer (a block's own, in each layer's
+  region) took one layer's recompute's write for every region recomputed before it.
   ``any_changed``: every region of a backward compared in one pass per device, a 0-d device
   tensor true when some small tensor's bits changed (read after the backward's one
   synchronisation); only where it is set, ``changed_flags``: which regions (a second
@@ -64,7 +71,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _intended
 
 __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
-           "changed_flags", "reached", "roots_of", "tensor_name"]
+           "changed_flags", "narrowed", "reached", "roots_of", "tensor_name"]
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -87,13 +94,59 @@ def _skipped(name: str, value) -> bool:
     return value is None or isinstance(value, _ATOMIC) or name.startswith("_")
 
 
-def reached(roots) -> list[torch.Tensor]:
-    """The plain tensors reachable from ``roots`` (see the module docstring)."""
+def reached(roots, ran=None) -> list[torch.Tensor]:
+    """The plain tensors reachable from ``roots``, narrowed to the modules ``ran`` (see the
+    module docstring)."""
     tensors, modules = _roots(roots)
-    for _, found, _ in _walk(list(modules.values())):
+    whole, own = narrowed(modules, ran, _subtree)
+    for _, found, _ in _walk(list(whole.values()), list(own.values())):
         for t in found:
             tensors.setdefault(id(t), t)
     return list(tensors.values())
+
+
+def _subtree(module: torch.nn.Module) -> set[int]:
+    return set(map(id, module.modules()))
+
+
+def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
+             ) -> tuple[dict[int, torch.nn.Module], dict[int, torch.nn.Module]]:
+    """A region's ``modules`` (from ``_roots``) narrowed to those of them its forward ran
+    (``ran``: ``_ran.ModulesRun``'s record, first call first): ``(walked whole, read alone)``.
+    A module that ran, or none of whose submodules ran (a function reading its parameters
+    without calling it), is walked whole; one some of whose submodules ran (megatron's block,
+    in each layer's region's closure) is read alone -- its own parameters, buffers and tensor
+    attributes -- and the outermost of those submodules walked whole. ``subtree(module)``: the
+    ids of ``module`` and its submodules."""
+    if not ran:
+        return modules, {}
+    called = {id(m): m for m in ran}
+    whole: dict[int, torch.nn.Module] = {}
+    own: dict[int, torch.nn.Module] = {}
+    for i, module in modules.items():
+        if i in called:
+            whole.setdefault(i, module)
+            continue
+        inside = subtree(module)
+        tops: list[tuple[int, torch.nn.Module]] = []
+        covered: list[set[int]] = []  # the tops' subtrees
+        for j, m in called.items():  # an ancestor is called before its submodules
+            if j in inside:
+                for c in covered:
+                    if j in c:
+                        break
+                else:
+                    tops.append((j, m))
+                    covered.append(subtree(m))
+        if not tops:
+            whole.setdefault(i, module)
+            continue
+        own[i] = module
+        for j, m in tops:
+            whole.setdefault(j, m)
+    for i in whole:
+        own.pop(i, None)  # walked whole as another root's submodule
+    return whole, own
 
 
 class Reached:
@@ -178,9 +231,9 @@ class _Kept:
         self.volatile.add(i)
         return True
 
-    def holds(self, modules: dict, fresh: bool, round_: int, registered: int) -> bool:
+    def holds(self, modules: list, fresh: bool, round_: int, registered: int) -> bool:
         return (registered == self.registered and round_ - self.round < REWALK_ROUNDS
-                and all(r() is m for r, m in zip(self.refs, modules.values(), strict=True))
+                and all(r() is m for r, m in zip(self.refs, modules, strict=True))
                 and (not fresh or self.checked == round_
                      or (self.shaped and self.check(round_))))
 
@@ -309,11 +362,12 @@ def _mark_dead(kept_ref, i: int, _ref) -> None:
 
 class Walks:
     """The walks of modules, kept per set of modules (see the module docstring): the regions
-    of one call site (megatron's layers, each checkpointed with the whole block in its closure)
-    share one walk, for as long as it holds."""
+    that reach the same modules (a layer's, round after round) share one walk, for as long
+    as it holds."""
 
     def __init__(self):
-        self._kept: dict[tuple[int, ...], _Kept] = {}  # module ids -> their kept walk
+        self._kept: dict[tuple, _Kept] = {}  # module ids (whole, alone) -> their kept walk
+        self._subtrees: dict[int, tuple] = {}  # module id -> (it, registered, its subtree)
         self._round = 0
         self._registered = 0  # parameters, buffers and modules registered while watching
         self._hooks: list | None = None
@@ -345,21 +399,32 @@ class Walks:
             for handle in hooks:
                 handle.remove()
 
-    def reach(self, roots, fresh: bool) -> Reached:
-        """What ``roots`` reach: their own tensors, and their modules' from the kept walk (a
-        fresh one where it no longer holds)."""
+    def _subtree(self, module: torch.nn.Module) -> set[int]:
+        """``module``'s and its submodules' ids, kept while no module was registered."""
+        kept = self._subtrees.get(id(module))
+        if kept is None or kept[0]() is not module or kept[1] != self._registered:
+            kept = self._subtrees[id(module)] = (weakref.ref(module), self._registered,
+                                                 _subtree(module))
+        return kept[2]
+
+    def reach(self, roots, fresh: bool, ran=None) -> Reached:
+        """What ``roots`` reach, narrowed to the modules ``ran`` (``narrowed``): their own
+        tensors, and their modules' from the kept walk (a fresh one where it no longer
+        holds)."""
         tensors, modules = _roots(roots)
-        key = tuple(modules)
+        whole, own = narrowed(modules, ran, self._subtree)
+        key = (tuple(whole), tuple(own))
+        listed = [*whole.values(), *own.values()]
         kept = self._kept.get(key)
         found = None
-        if kept is not None and kept.holds(modules, fresh, self._round, self._registered):
+        if kept is not None and kept.holds(listed, fresh, self._round, self._registered):
             found, rescanned = kept.read()
             self.rescanned += rescanned + kept.rescanned
             kept.rescanned = 0
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
-            walked = _walk(list(modules.values()))
-            kept = self._kept[key] = _Kept(list(modules.values()), walked, self._round,
-                                           self._registered, fresh)
+            walked = _walk(list(whole.values()), list(own.values()))
+            kept = self._kept[key] = _Kept(listed, walked, self._round, self._registered,
+                                           fresh)
             self.walked += 1
             found = Reached.of(list({id(t): t for _, ts, _ in walked for t in ts}.values()))
         if tensors:  # the region's own tensors (its inputs), less those the walk found
@@ -370,8 +435,8 @@ class Walks:
             found.versioned += own.versioned
         return found
 
-    def reached(self, roots, fresh: bool) -> list[torch.Tensor]:
-        return list(self.reach(roots, fresh))
+    def reached(self, roots, fresh: bool, ran=None) -> list[torch.Tensor]:
+        return list(self.reach(roots, fresh, ran))
 
 
 def tensor_name(t: torch.Tensor, roots) -> str | None:
@@ -642,16 +707,17 @@ def _changed(sub: torch.nn.Module, shape: tuple) -> set[str]:
     return names
 
 
-def _walk(modules: list[torch.nn.Module],
+def _walk(modules: list[torch.nn.Module], alone: list[torch.nn.Module] = (),
           ) -> list[tuple[torch.nn.Module, list[torch.Tensor], tuple[str, ...]]]:
-    """Every parameter, buffer and tensor attribute of ``modules`` and their submodules, per
-    (sub)module that holds it, with the names of the attributes it was found under."""
+    """Every parameter, buffer and tensor attribute of ``modules`` and their submodules, and
+    of ``alone`` (not their submodules), per (sub)module that holds it, with the names of the
+    attributes it was found under."""
     scan, walked, out = _Scan(), set(), []
-    for module in modules:
-        for sub in module.modules():
-            if id(sub) not in walked:  # else a submodule of another root module
-                walked.add(id(sub))
-                out.append((sub, *scan.module(sub)))
+    for sub in itertools.chain(itertools.chain.from_iterable(m.modules() for m in modules),
+                               alone):
+        if id(sub) not in walked:  # else a submodule of another root module
+            walked.add(id(sub))
+            out.append((sub, *scan.module(sub)))
     return out
 
 
@@ -664,7 +730,7 @@ class State:
     """The reached tensors as a recompute found them and as it left them (see the module
     docstring): ``settle`` at the recompute's end reads the counters and copies the small
     tensors' bytes again, so a write after it -- a later region's recompute reaching the same
-    buffer (megatron's layers each reach the whole block's), the backward itself, the next
+    buffer (a block's own, in each layer's region), the backward itself, the next
     forward -- is not taken for this recompute's (compared at the backward's end instead, a
     write by the first layer's recompute was named for the region recomputed before it)."""
 

@@ -73,6 +73,7 @@ from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._opsite import entry_frame
 from fixes.sanitize._patch import _apply, _ApplyPatch, _checkpoint_frame, _Patch
+from fixes.sanitize._ran import ModulesRun
 from fixes.sanitize._reach import Walks, any_changed, changed_flags, roots_of
 from fixes.sanitize._region import Region
 
@@ -125,6 +126,8 @@ class RecomputeSanitizer:
     _pending: list = field(default_factory=list, repr=False)  # checks awaiting the flush
     _queued_on: int = field(default=-1, repr=False)  # the backward whose flush is queued
     _walks: Walks = field(default_factory=Walks, repr=False)  # what regions reach, kept
+    # the modules each region's forward runs (what it reaches is narrowed to them)
+    _modules_run: ModulesRun = field(default_factory=ModulesRun, repr=False)
     # watch -> its fatal error, held for torch's own check of the recompute (_torch_check_first)
     _for_torch: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
                                                   repr=False)
@@ -161,7 +164,7 @@ class RecomputeSanitizer:
             return region
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
                       reentrant, self._printed(position, rounds), self._found, self._walks,
-                      fresh=self.values == "all")
+                      fresh=self.values == "all", modules_run=self._modules_run)
         watch.position = position
         return watch
 
@@ -357,10 +360,11 @@ class RecomputeSanitizer:
                 return original(ctx, run_function, *args)
             roots = roots_of(run_function, args)
             region = self.region(kind, run_function, roots=roots)
-            out = original(ctx, region.function(run_function), *args)
+            with self._modules_run.recording() as ran:
+                out = original(ctx, region.function(run_function), *args)
             if outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
                                       for a in args):
-                error = never_recomputed_error(region.name(), roots)
+                error = never_recomputed_error(region.name(), roots, ran)
                 if error is not None:
                     raise error
             return out

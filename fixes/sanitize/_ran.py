@@ -1,0 +1,76 @@
+"""Which modules a checkpointed region's forward ran: the detect tier narrows what the region
+reaches to them (``_reach``).
+
+Why: megatron's ``TransformerBlock`` checkpoints each layer with the whole block in the
+region's closure (``self._get_layer(index)`` in ``_checkpointed_forward``'s ``custom``), so a
+region that reached every module its closure holds reached every layer's parameters and
+routing state: a region's host time grew with the model's depth and a step's with its square
+(``python -m benchmarks.sanitizer_host_time --layers``), and a frozen bottom layer
+checkpointed by ``recompute_method="block"`` was said to leave the trainable layers above it
+without a gradient (the never-recomputed check read the block's parameters as the region's).
+
+How: one global forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``)
+held only while some region's forward runs, appending each module called; a region's
+recording is the slice of those calls made while it was open (a nested region's calls are its
+outer region's too). Outside a region's forward no hook is registered: a module call takes
+torch's fast path, and a sanitizer entered with no region run costs nothing here. A module
+whose ``forward`` is called directly (not through ``__call__``) is not recorded: its
+ancestors' that were are what narrows (``_reach``'s rule keeps the rest of a root whole).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["ModulesRun"]
+
+
+class ModulesRun:
+    """The modules called while a region's forward runs: ``with run.recording() as ran:``
+    leaves in ``ran`` each module called inside (a ``list``, first call first, each once).
+    Recordings nest and may overlap across threads (a call on another thread while one is open
+    is recorded too: more reached, never less)."""
+
+    def __init__(self):
+        self._calls: list[torch.nn.Module] = []
+        self._open = 0
+        self._handle = None
+        self._lock = threading.Lock()
+
+    def _called(self, module: torch.nn.Module, _args) -> None:
+        self._calls.append(module)  # returns None: the arguments are left as they are
+
+    def recording(self) -> _Recording:
+        return _Recording(self)
+
+
+class _Recording:
+    __slots__ = ("_run", "_start", "modules")
+
+    def __init__(self, run: ModulesRun):
+        self._run = run
+        self.modules: list[torch.nn.Module] = []
+
+    def __enter__(self) -> list[torch.nn.Module]:
+        run = self._run
+        with run._lock:
+            if run._open == 0:
+                run._handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                    run._called)
+            run._open += 1
+            self._start = len(run._calls)
+        return self.modules
+
+    def __exit__(self, *exc) -> bool:
+        run = self._run
+        with run._lock:
+            # by identity: a module class may define __eq__ / __hash__
+            self.modules.extend({id(m): m for m in run._calls[self._start:]}.values())
+            run._open -= 1
+            if run._open == 0:
+                run._handle.remove()
+                run._handle = None
+                run._calls.clear()
+        return False

@@ -1,0 +1,77 @@
+"""Which modules a checkpointed region's forward ran (``fixes.sanitize._ran``): recorded by a
+global forward pre-hook held only while a recording is open."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fixes.sanitize._ran import ModulesRun
+
+pytestmark = pytest.mark.cpu
+
+
+def _hooks() -> int:
+    return len(torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def _block():
+    block = torch.nn.Module()
+    block.layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(3))
+    return block
+
+
+def test_a_recording_holds_each_module_called_once_first_call_first():
+    block, run = _block(), ModulesRun()
+    x = torch.randn(2, 4)
+    before = _hooks()
+    with run.recording() as ran:
+        assert _hooks() == before + 1
+        block.layers[1](x)
+        block.layers[1][0](x)  # again: recorded once
+        block.layers[0](x)
+    assert _hooks() == before  # the hook goes with the last recording
+    layer1, layer0 = block.layers[1], block.layers[0]
+    assert [id(m) for m in ran] == list(map(id, [layer1, layer1[0], layer1[1], layer0,
+                                                 layer0[0], layer0[1]]))
+    block.layers[2](x)  # no recording open: not recorded anywhere
+    assert len(ran) == 6 and run._calls == []
+
+
+def test_nested_recordings_each_hold_their_own_calls_and_the_outer_the_inners():
+    block, run = _block(), ModulesRun()
+    x = torch.randn(2, 4)
+    with run.recording() as outer:
+        block.layers[0](x)
+        with run.recording() as inner:
+            block.layers[1](x)
+        assert _hooks() >= 1  # the outer one still records
+        block.layers[2](x)
+    assert {id(m) for m in inner} == {id(m) for m in block.layers[1].modules()}
+    assert {id(m) for m in outer} == {id(m) for m in block.layers.modules()} - {
+        id(block.layers)}
+
+
+def test_the_hook_goes_when_the_forward_raises():
+    run, before = ModulesRun(), _hooks()
+
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("the region's own failure")
+
+    with pytest.raises(RuntimeError, match="own failure"), run.recording():
+        Failing()(torch.ones(1))
+    assert _hooks() == before and run._calls == []
+
+
+def test_a_call_on_another_thread_while_open_is_recorded_too():
+    """More reached, never less: the hook is global."""
+    run, lin = ModulesRun(), torch.nn.Linear(2, 2)
+    with run.recording() as ran:
+        t = threading.Thread(target=lin, args=(torch.ones(2),))
+        t.start()
+        t.join()
+    assert [id(m) for m in ran] == [id(lin)]
