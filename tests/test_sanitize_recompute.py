@@ -950,6 +950,37 @@ def test_the_module_hook_is_held_only_while_a_regions_forward_runs():
         assert seen == [before + 1, before], (reentrant, seen)  # forward, recompute
 
 
+def test_a_compiled_module_inside_a_region_is_not_compiled_again_by_the_module_hook():
+    """The module hook (``_ran``) is registered at each region's forward and removed after: a
+    ``torch.compile``d module called inside reuses its graph (no recompile on the hook's
+    coming and going); torch warns that global hooks fire twice for it (the record counts
+    each module once)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    lin = torch.nn.Linear(8, 8)
+    inner = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()),
+                          backend="eager")
+
+    def region(x):
+        return inner(lin(x))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()  # compiled without the hook
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with recompute_sanitizer(values="none") as sanitizer:
+            for _ in range(4):
+                checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert sanitizer.recomputes == 4 and counters["frames"]["total"] == 1
+    assert not counters["recompiles"]
+    assert any("global hooks on modules" in str(w.message) for w in caught)
+    torch._dynamo.reset()
+
+
 def test_a_backward_flushes_its_checks_once_whatever_its_regions(monkeypatch):
     """Each recompute's check is queued for the end of its backward; one callback flushes them
     all (four regions: one flush, not four), and a backward that failed before its callbacks

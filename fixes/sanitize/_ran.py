@@ -16,6 +16,9 @@ outer region's too). Outside a region's forward no hook is registered: a module 
 torch's fast path, and a sanitizer entered with no region run costs nothing here. A module
 whose ``forward`` is called directly (not through ``__call__``) is not recorded: its
 ancestors' that were are what narrows (``_reach``'s rule keeps the rest of a root whole).
+A ``torch.compile``d module called inside a region keeps its graph (the hook's coming and
+going compiles nothing again); torch warns there, once per call site, that global hooks fire
+twice for an ``OptimizedModule`` (the record counts each module once).
 """
 
 from __future__ import annotations

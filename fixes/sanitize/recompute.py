@@ -36,6 +36,10 @@ implementation, so that every region is seen whoever calls it --
   ``CheckpointWithoutOutput.checkpoint`` (megatron's selective recompute), also when
   megatron-core is imported while the sanitizer is active.
 
+Also held while active: torch's global parameter, buffer and module registration hooks
+(``_reach.Walks.watching``); and only while a region's forward runs, one global module
+forward pre-hook recording the modules it runs (``_ran``: what the region reaches).
+
 Values are compared bitwise, or within ``ATOMIC_RTOL`` where the exact prints differ on CUDA
 without deterministic algorithms or in a reentrant region's outputs (a lowering; in ``all``
 the locator decides). Not seen: regions under ``torch.compile``, state the region does not
