@@ -120,7 +120,8 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
     ids of ``module`` and its submodules."""
     if not ran:
         return modules, {}
-    called = {id(m): m for m in ran}
+    ids = list(map(id, ran))  # each module once (``_ran``)
+    called = set(ids)
     whole: dict[int, torch.nn.Module] = {}
     own: dict[int, torch.nn.Module] = {}
     for i, module in modules.items():
@@ -130,7 +131,7 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
         inside = subtree(module)
         tops: list[tuple[int, torch.nn.Module]] = []
         covered: list[set[int]] = []  # the tops' subtrees
-        for j, m in called.items():  # an ancestor is called before its submodules
+        for j, m in zip(ids, ran):  # an ancestor is called before its submodules
             if j in inside:
                 for c in covered:
                     if j in c:
