@@ -75,3 +75,36 @@ def test_a_call_on_another_thread_while_open_is_recorded_too():
         t.start()
         t.join()
     assert [id(m) for m in ran] == [id(lin)]
+
+
+def test_close_removes_the_hook_under_an_open_recording_whose_end_then_does_nothing():
+    run, before = ModulesRun(), _hooks()
+    left_open = run.recording()
+    left_open.__enter__()
+    run.close()
+    assert _hooks() == before and run._calls == []
+    with run.recording() as ran:  # a new one records as usual
+        torch.nn.Identity()(torch.ones(1))
+        left_open.__exit__(None, None, None)  # the old one's end removes nothing of it
+        assert _hooks() == before + 1
+        torch.nn.Tanh()(torch.ones(1))
+    assert [type(m).__name__ for m in ran] == ["Identity", "Tanh"] and _hooks() == before
+
+
+def test_the_sanitizers_exit_removes_the_hook_of_a_region_left_suspended():
+    """A non-reentrant region's forward is the time its checkpoint generator is suspended at
+    its yield; one held suspended past the sanitizer's exit (code that drives torch's
+    generator itself and never resumes it) takes no hook with it, and its late close
+    removes nothing."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from fixes.sanitize import recompute_sanitizer
+
+    before, lin = _hooks(), torch.nn.Linear(2, 2)
+    with recompute_sanitizer(values="none"):
+        gen = torch_checkpoint._checkpoint_without_reentrant_generator(lin)
+        next(gen)  # the region's forward begins
+        assert _hooks() == before + 1
+    assert _hooks() == before
+    gen.close()
+    assert _hooks() == before

@@ -41,6 +41,7 @@ class ModulesRun:
         self._open = 0
         self._handle = None
         self._lock = threading.Lock()
+        self._closed = 0  # recordings begun before the last ``close`` end as no-ops
 
     def _called(self, module: torch.nn.Module, _args) -> None:
         self._calls.append(module)  # returns None: the arguments are left as they are
@@ -48,9 +49,21 @@ class ModulesRun:
     def recording(self) -> _Recording:
         return _Recording(self)
 
+    def close(self) -> None:
+        """The hook removed and the record emptied, whatever recording is still open (a
+        region's forward left suspended: a composable checkpoint whose forward raised keeps its
+        generator until the module's next forward). The sanitizer's exit calls it."""
+        with self._lock:
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+            self._open = 0
+            self._calls.clear()
+            self._closed += 1
+
 
 class _Recording:
-    __slots__ = ("_run", "_start", "modules")
+    __slots__ = ("_run", "_start", "_closed", "modules")
 
     def __init__(self, run: ModulesRun):
         self._run = run
@@ -64,11 +77,14 @@ class _Recording:
                     run._called)
             run._open += 1
             self._start = len(run._calls)
+            self._closed = run._closed
         return self.modules
 
     def __exit__(self, *exc) -> bool:
         run = self._run
         with run._lock:
+            if self._closed != run._closed:  # closed under it: nothing to record or remove
+                return False
             # by identity: a module class may define __eq__ / __hash__
             self.modules.extend({id(m): m for m in run._calls[self._start:]}.values())
             run._open -= 1

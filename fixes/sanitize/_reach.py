@@ -131,7 +131,7 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
         inside = subtree(module)
         tops: list[tuple[int, torch.nn.Module]] = []
         covered: list[set[int]] = []  # the tops' subtrees
-        for j, m in zip(ids, ran):  # an ancestor is called before its submodules
+        for j, m in zip(ids, ran, strict=True):  # an ancestor is called before its submodules
             if j in inside:
                 for c in covered:
                     if j in c:

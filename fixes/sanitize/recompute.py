@@ -484,6 +484,7 @@ def recompute_sanitizer(values: Values | Literal["all", "sampled", "none"] = Val
         sanitizer.raise_pending()
     finally:
         try:
+            sanitizer._modules_run.close()  # a region's forward left suspended keeps no hook
             if hook is not None:
                 sys.meta_path.remove(hook)
             for patch in reversed(patches):
