@@ -38,7 +38,7 @@ def test_a_recording_holds_each_module_called_once_first_call_first():
     assert [id(m) for m in ran] == list(map(id, [layer1, layer1[0], layer1[1], layer0,
                                                  layer0[0], layer0[1]]))
     block.layers[2](x)  # no recording open: not recorded anywhere
-    assert len(ran) == 6 and run._calls == []
+    assert len(ran) == 6 and run._local.calls is None
 
 
 def test_nested_recordings_each_hold_their_own_calls_and_the_outer_the_inners():
@@ -64,17 +64,32 @@ def test_the_hook_goes_when_the_forward_raises():
 
     with pytest.raises(RuntimeError, match="own failure"), run.recording():
         Failing()(torch.ones(1))
-    assert _hooks() == before and run._calls == []
+    assert _hooks() == before and run._local.calls is None
 
 
-def test_a_call_on_another_thread_while_open_is_recorded_too():
-    """More reached, never less: the hook is global."""
-    run, lin = ModulesRun(), torch.nn.Linear(2, 2)
+def test_each_thread_records_its_own_calls():
+    """A call another thread makes while a region's forward runs is no module the region ran:
+    taken for one, it narrowed a root the region reads without calling any of its modules
+    (reached whole) to the other thread's module (a review of cb82629). A thread with its own
+    recording open records its own calls."""
+    run, lin, other = ModulesRun(), torch.nn.Linear(2, 2), torch.nn.Tanh()
+    got = {}
+
+    def in_a_region_of_its_own():
+        with run.recording() as theirs:
+            other(torch.ones(2))
+        got["theirs"] = theirs
+
     with run.recording() as ran:
         t = threading.Thread(target=lin, args=(torch.ones(2),))
         t.start()
         t.join()
+        t = threading.Thread(target=in_a_region_of_its_own)
+        t.start()
+        t.join()
+        lin(torch.ones(2))
     assert [id(m) for m in ran] == [id(lin)]
+    assert [id(m) for m in got["theirs"]] == [id(other)]
 
 
 def test_close_removes_the_hook_under_an_open_recording_whose_end_then_does_nothing():
@@ -82,7 +97,7 @@ def test_close_removes_the_hook_under_an_open_recording_whose_end_then_does_noth
     left_open = run.recording()
     left_open.__enter__()
     run.close()
-    assert _hooks() == before and run._calls == []
+    assert _hooks() == before
     with run.recording() as ran:  # a new one records as usual
         torch.nn.Identity()(torch.ones(1))
         left_open.__exit__(None, None, None)  # the old one's end removes nothing of it

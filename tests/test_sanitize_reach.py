@@ -754,20 +754,57 @@ def test_a_root_none_of_whose_modules_ran_is_reached_whole():
     assert _ids(_reach.reached([f], ran=[])) == everything
 
 
-def test_a_submodule_called_without_its_parent_is_reached_alone():
-    """The region calls one layer's linear directly: that linear is the outermost module that
-    ran; the layer's other submodules are not reached, the block's and the layer's own state
-    is (each root read alone where some submodule of it ran)."""
+def test_a_submodule_called_without_its_parent_leaves_the_modules_between_read_alone():
+    """The region calls one layer's linear directly (the layer's ``forward`` called as a
+    method, not through ``__call__``: not recorded): that linear is the outermost module that
+    ran and is walked whole; the block, the layer list and the layer between them are read
+    alone -- the layer's own buffer is reached (a review of cb82629: it was not, and a write
+    to it went unseen), its other submodules' state is not."""
     block, region = _megatron_like_block(2)
-    lin = block.layers[0][0]
+    layer = block.layers[0]
+    lin = layer[0]
 
     def f(h):
         return lin(h)
 
     assert _ids(_reach.reached([f, block], ran=[lin])) == _ids(
-        [*lin.parameters(), block.step])
+        [*lin.parameters(), layer.calls, block.step])
     # ``lin`` is also a root of its own: walked whole, not twice
-    assert len(_reach.reached([f, block, lin], ran=[lin])) == 3
+    assert len(_reach.reached([f, block, lin], ran=[lin])) == 4
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_submodule_deleted_since_is_seen_by_a_tree_read_anew(fresh):
+    """No hook sees ``del module.sub``: the kept tree of a root is read anew once a round
+    where ``fresh`` (values="all"), else once it is ``REWALK_ROUNDS`` rounds old; then a module
+    that ran but is no longer the root's no longer narrows it."""
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    model.a.register_buffer("count", torch.zeros(()))
+    b = model.b
+    walks = _reach.Walks()
+    with walks.watching():
+        assert id(model.a.count) not in _ids(walks.reached([model], fresh=fresh, ran=[b]))
+        del model.b
+        walks.new_round()
+        seen = id(model.a.count) in _ids(walks.reached([model], fresh=fresh, ran=[b]))
+        assert seen == fresh
+        for _ in range(_reach.REWALK_ROUNDS):
+            walks.new_round()
+        assert id(model.a.count) in _ids(walks.reached([model], fresh=fresh, ran=[b]))
+
+
+def test_walks_let_go_of_what_can_no_longer_hold():
+    """A kept walk or tree ``REWALK_ROUNDS`` rounds old is never read again: let go (keys
+    depend on which modules ran, so a region calling a varying set would add one a step)."""
+    block, region = _megatron_like_block(3)
+    walks = _reach.Walks()
+    for i in range(3):
+        walks.reach([region(i)], fresh=False, ran=[block.layers[i]])
+    assert len(walks._kept) == 3 and walks._trees
+    for _ in range(_reach.REWALK_ROUNDS):
+        walks.new_round()
+    assert walks._kept == {} and walks._trees == {}
 
 
 def test_a_region_of_a_deeper_block_reads_as_many_tensors():

@@ -950,6 +950,93 @@ def test_the_module_hook_is_held_only_while_a_regions_forward_runs():
         assert seen == [before + 1, before], (reentrant, seen)  # forward, recompute
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, h):
+        self.calls.add_(1)  # counted again by every recompute
+        return torch.tanh(self.lin(h))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_write_by_a_layer_whose_forward_is_called_directly_is_seen(reentrant):
+    """``model.layer.forward(h)``: the layer is not recorded (no ``__call__``), its linear is;
+    the layer between the root and the linear keeps its own state reached (a review of
+    cb82629: narrowed to the linear alone, the layer's count went unseen)."""
+    model = torch.nn.Module()
+    model.layer = _Layer()
+    with pytest.raises(RecomputeMismatchError, match="calls"), \
+            recompute_sanitizer(values="none"):
+        checkpoint(lambda h: model.layer.forward(h), torch.randn(2, 8, requires_grad=True),
+                   use_reentrant=reentrant).sum().backward()
+
+
+def test_a_call_on_another_thread_does_not_narrow_what_a_region_reaches():
+    """The region counts into ``model.a`` without calling any module of ``model`` (reached
+    whole); meanwhile another thread calls ``model.b``. Recorded as the region's, that call
+    narrowed ``model`` to ``b`` and the write went unseen (a review of cb82629)."""
+    import threading
+
+    model = torch.nn.Module()
+    model.a, model.b = _Layer(), torch.nn.Linear(8, 8)
+
+    def region(h):
+        worker = threading.Thread(target=model.b, args=(torch.randn(2, 8),))
+        worker.start()
+        worker.join()
+        model.a.calls.add_(1)
+        return torch.tanh(h)
+
+    with pytest.raises(RecomputeMismatchError, match="calls"), \
+            recompute_sanitizer(values="none"):
+        checkpoint(region, torch.randn(2, 8, requires_grad=True),
+                   use_reentrant=False).sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_module_built_inside_the_forward_goes_when_the_forward_ends(reentrant):
+    """The record holds the modules a region ran weakly: one built inside the forward, with
+    its tensors, goes when the forward ends, as without the sanitizer (a review of cb82629:
+    held until the backward)."""
+    kept = []
+
+    def region(h):
+        helper = torch.nn.Linear(8, 8)
+        kept.append(weakref.ref(helper.weight))
+        return torch.tanh(helper(h).detach() + h)
+
+    with recompute_sanitizer(values="none"):
+        y = checkpoint(region, torch.randn(2, 8, requires_grad=True), use_reentrant=reentrant)
+        gc.collect()
+        assert kept[0]() is None
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_layers_region_reaches_as_many_tensors_however_deep_the_block(monkeypatch,
+                                                                       reentrant):
+    """Each layer's region holds the whole block (megatron's pattern, ``_Counted``): what it
+    reaches is its layer (the modules its forward ran), the same at 2 layers as at 6 -- it
+    grew with the block, a step's host time with the square of its depth."""
+    from fixes.sanitize import _detect
+
+    sizes: list[int] = []
+    reached = _detect.Watch.reached
+    monkeypatch.setattr(_detect.Watch, "reached",
+                        lambda self: sizes.append(len(list(reached(self)))) or reached(self))
+    per_depth = {}
+    for n in (2, 6):
+        sizes.clear()
+        block = _Counted(n, writer=-1)
+        with recompute_sanitizer(values="none"):
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+        per_depth[n] = set(sizes)
+    assert per_depth[2] == per_depth[6] and len(per_depth[2]) == 1, per_depth
+
+
 def test_a_compiled_module_inside_a_region_is_not_compiled_again_by_the_module_hook():
     """The module hook (``_ran``) is registered at each region's forward and removed after: a
     ``torch.compile``d module called inside reuses its graph (no recompile on the hook's

@@ -14,22 +14,24 @@ Per region (a ``Watch``):
   device, one host synchronisation per device after the backward);
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
-  hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``) -- small non-parameter ones by their contents before and after (batch norm updates its
-  running statistics without bumping their version counter), the others by version counter
+  hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``) -- small
+  non-parameter ones by their contents before and after (batch norm updates its running
+  statistics without bumping their version counter), the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
   registered, for at most ``REWALK_ROUNDS`` steps; in ``all`` checked once a step against the
   modules' attributes by identity, so it finds what a fresh walk would; in the other modes a
   module is scanned again when a tensor found in it is freed).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an
-object that is no module, a submodule's state read without calling it or a module holding it
-while other submodules of the same module held by the region ran: megatron's block's other
-layers), a rebound Python attribute, state outside tensors (a communicator
-handle, a Python counter), a write the recompute causes after it ends (a hook it registers
-that fires later in the backward: each region is judged by what its recompute left when it
-ended, so a later region's write or the backward's own is not taken for it) -- unless its
-effect reaches the saved tensors or outputs, where it is caught. Writes inside ``recompute_may_differ`` blocks are not told apart from the region's
-own (the locator, ``_region``, tells them apart).
+object that is no module, a submodule's state read without calling it while other
+submodules of the same module held by the region ran -- megatron's block's other layers --
+or a module only the recompute runs, on other control flow than its forward's), a rebound
+Python attribute, state outside tensors (a communicator handle, a Python counter), a write
+the recompute causes after it ends (a hook it registers that fires later in the backward:
+each region is judged by what its recompute left when it ended, so a later region's write or
+the backward's own is not taken for it) -- unless its effect reaches the saved tensors or
+outputs, where it is caught. Writes inside ``recompute_may_differ`` blocks are not told apart
+from the region's own (the locator, ``_region``, tells them apart).
 
 When a recompute differs, ``values="all"`` locates it on the call site's next recompute: the
 region at the same position among that call site's regions in the next round (forwards after
@@ -59,6 +61,7 @@ from fixes.sanitize._reach import Reached, State, Walks, reached, tensor_name
 __all__ = ["Detection", "Watch"]
 
 _METADATA = operator.attrgetter("shape", "dtype", "device")
+_CALL = operator.call  # a weak reference's referent, in map
 
 
 @dataclass(slots=True)
@@ -168,10 +171,9 @@ class Watch:
         self._walks, self._fresh = walks, fresh  # see _reach.Walks
         self._roots = [weakref.ref(r) if _weakable(r) else r for r in roots]
         # the modules its forward ran (``_ran``): what it reaches is narrowed to them. Held
-        # strongly: the checkpoint holds the region's function, whose closure holds them,
-        # until the backward (a weak reference each cost more than the narrowing)
+        # weakly: one built inside the forward (and its tensors) goes when the forward ends
         self._modules_run = modules_run
-        self.ran: list[torch.nn.Module] | None = None
+        self._ran: list[weakref.ref] | None = None
         self.forward: _Side | None = None
         self.broken: str | None = None
         self.judged_outside = False
@@ -186,11 +188,17 @@ class Watch:
         roots = [r() if isinstance(r, weakref.ref) else r for r in self._roots]
         return [r for r in roots if r is not None]
 
+    def ran(self) -> list[torch.nn.Module] | None:
+        """The modules its forward ran, still alive (None: not recorded)."""
+        if self._ran is None:
+            return None
+        return [m for m in map(_CALL, self._ran) if m is not None]
+
     def reached(self) -> Reached | list[torch.Tensor]:
-        roots = self._live_roots()
+        roots, ran = self._live_roots(), self.ran()
         if self._walks is None:
-            return reached(roots, self.ran)
-        return self._walks.reach(roots, self._fresh, self.ran)
+            return reached(roots, ran)
+        return self._walks.reach(roots, self._fresh, ran)
 
     def _recording_modules(self):
         """A context recording the modules the forward runs (``_ran``), or none."""
@@ -200,7 +208,7 @@ class Watch:
 
     def _ran_these(self, modules: list[torch.nn.Module]) -> None:
         if self._modules_run is not None:
-            self.ran = modules
+            self._ran = list(map(weakref.ref, modules))
 
     # -- non-reentrant -------------------------------------------------------------------------
 

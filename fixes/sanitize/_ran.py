@@ -14,8 +14,9 @@ held only while some region's forward runs, appending each module called; a regi
 recording is the slice of those calls made while it was open (a nested region's calls are its
 outer region's too). Outside a region's forward no hook is registered: a module call takes
 torch's fast path, and a sanitizer entered with no region run costs nothing here. A module
-whose ``forward`` is called directly (not through ``__call__``) is not recorded: its
-ancestors' that were are what narrows (``_reach``'s rule keeps the rest of a root whole).
+whose ``forward`` is called directly (not through ``__call__``) is not recorded: a root none
+of whose modules ran is reached whole, and one narrowed to the modules that ran keeps the own
+state of every module between it and them (``_reach.narrowed``).
 A ``torch.compile``d module called inside a region keeps its graph (the hook's coming and
 going compiles nothing again); torch warns there, once per call site, that global hooks fire
 twice for an ``OptimizedModule`` (the record counts each module once).
@@ -32,33 +33,36 @@ __all__ = ["ModulesRun"]
 
 class ModulesRun:
     """The modules called while a region's forward runs: ``with run.recording() as ran:``
-    leaves in ``ran`` each module called inside (a ``list``, first call first, each once).
-    Recordings nest and may overlap across threads (a call on another thread while one is open
-    is recorded too: more reached, never less)."""
+    leaves in ``ran`` each module called inside on this thread (a ``list``, first call first,
+    each once). Recordings nest (an inner region's calls are its outer region's too) and may
+    be open on several threads at once, each recording its own thread's calls: a call another
+    thread makes meanwhile is no module this region ran (taken for one, it narrowed a root the
+    region reads without calling any of its modules, which is reached whole)."""
 
     def __init__(self):
-        self._calls: list[torch.nn.Module] = []
-        self._open = 0
+        self._open = 0  # recordings open, every thread: the hook is held while any is
         self._handle = None
         self._lock = threading.Lock()
         self._closed = 0  # recordings begun before the last ``close`` end as no-ops
+        self._local = threading.local()  # per thread: calls (None: none open), depth, closed
 
     def _called(self, module: torch.nn.Module, _args) -> None:
-        self._calls.append(module)  # returns None: the arguments are left as they are
+        calls = getattr(self._local, "calls", None)
+        if calls is not None:
+            calls.append(module)  # returns None: the arguments are left as they are
 
     def recording(self) -> _Recording:
         return _Recording(self)
 
     def close(self) -> None:
-        """The hook removed and the record emptied, whatever recording is still open (a
-        region's forward left suspended: a composable checkpoint whose forward raised keeps its
-        generator until the module's next forward). The sanitizer's exit calls it."""
+        """The hook removed, whatever recording is still open (a region's forward left
+        suspended: a checkpoint generator driven by hand and never resumed); each thread's
+        record is dropped at its next recording. The sanitizer's exit calls it."""
         with self._lock:
             if self._handle is not None:
                 self._handle.remove()
                 self._handle = None
             self._open = 0
-            self._calls.clear()
             self._closed += 1
 
 
@@ -76,8 +80,14 @@ class _Recording:
                 run._handle = torch.nn.modules.module.register_module_forward_pre_hook(
                     run._called)
             run._open += 1
-            self._start = len(run._calls)
             self._closed = run._closed
+        local = run._local
+        if getattr(local, "closed", None) != self._closed:  # first here, or since a close
+            local.calls, local.depth, local.closed = None, 0, self._closed
+        if local.depth == 0:
+            local.calls = []
+        local.depth += 1
+        self._start = len(local.calls)
         return self.modules
 
     def __exit__(self, *exc) -> bool:
@@ -85,11 +95,17 @@ class _Recording:
         with run._lock:
             if self._closed != run._closed:  # closed under it: nothing to record or remove
                 return False
-            # by identity: a module class may define __eq__ / __hash__
-            self.modules.extend({id(m): m for m in run._calls[self._start:]}.values())
             run._open -= 1
             if run._open == 0:
                 run._handle.remove()
                 run._handle = None
-                run._calls.clear()
+        local = run._local
+        calls = getattr(local, "calls", None)
+        if calls is None or getattr(local, "closed", None) != self._closed:
+            return False  # ended on another thread than it began: nothing of its own
+        # by identity: a module class may define __eq__ / __hash__
+        self.modules.extend({id(m): m for m in calls[self._start:]}.values())
+        local.depth -= 1
+        if local.depth == 0:
+            local.calls = None
         return False

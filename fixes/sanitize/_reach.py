@@ -29,9 +29,10 @@ the detect tier's check of writes outside the region (``_detect``).
   sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
   since the walk), and learns of a death by the weak reference's callback: a region reads it
   with no call per module or parameter (when megatron's layers each reached the whole
-  block's parameters, sorting them again per region was most of ``values="none"``'s remaining host time,
-  ``benchmarks._sanitize_megatron --profile``). A submodule freed with its tensors still
-  alive elsewhere leaves them compared until the next fresh walk (more checked, none missed).
+  block's parameters, sorting them again per region was most of ``values="none"``'s
+  remaining host time, ``benchmarks._sanitize_megatron --profile``). A submodule freed with
+  its tensors still alive elsewhere leaves them compared until the next fresh walk (more
+  checked, none missed).
   ``fresh`` (the sanitizer asks it for every region in ``values="all"``) asks for a walk
   that finds what a fresh one would: once a round per set of modules the kept walk is
   checked instead of walked again -- each module's attributes, and the members of every
@@ -98,26 +99,36 @@ def reached(roots, ran=None) -> list[torch.Tensor]:
     """The plain tensors reachable from ``roots``, narrowed to the modules ``ran`` (see the
     module docstring)."""
     tensors, modules = _roots(roots)
-    whole, own = narrowed(modules, ran, _subtree)
+    whole, own = narrowed(modules, ran, _tree)
     for _, found, _ in _walk(list(whole.values()), list(own.values())):
         for t in found:
             tensors.setdefault(id(t), t)
     return list(tensors.values())
 
 
-def _subtree(module: torch.nn.Module) -> set[int]:
-    return set(map(id, module.modules()))
+def _tree(module: torch.nn.Module) -> tuple[set[int], dict[int, torch.nn.Module]]:
+    """The ids of ``module`` and its submodules, and each submodule's parent (by id)."""
+    ids, parents, stack = {id(module)}, {}, [module]
+    while stack:
+        m = stack.pop()
+        for child in m._modules.values():
+            if child is not None and id(child) not in ids:
+                ids.add(id(child))
+                parents[id(child)] = m
+                stack.append(child)
+    return ids, parents
 
 
-def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
+def narrowed(modules: dict[int, torch.nn.Module], ran, tree,
              ) -> tuple[dict[int, torch.nn.Module], dict[int, torch.nn.Module]]:
     """A region's ``modules`` (from ``_roots``) narrowed to those of them its forward ran
     (``ran``: ``_ran.ModulesRun``'s record, first call first): ``(walked whole, read alone)``.
     A module that ran, or none of whose submodules ran (a function reading its parameters
-    without calling it), is walked whole; one some of whose submodules ran (megatron's block,
-    in each layer's region's closure) is read alone -- its own parameters, buffers and tensor
-    attributes -- and the outermost of those submodules walked whole. ``subtree(module)``: the
-    ids of ``module`` and its submodules."""
+    without calling it), is walked whole; in one some of whose submodules ran (megatron's
+    block, in each layer's region's closure) the outermost of those are walked whole, and it
+    and every module between it and them are read alone -- their own parameters, buffers and
+    tensor attributes (a layer whose ``forward`` is called directly, not through ``__call__``,
+    is not recorded: its own state is still reached). ``tree(module)``: ``_tree``'s answer."""
     if not ran:
         return modules, {}
     ids = list(map(id, ran))  # each module once (``_ran``)
@@ -128,7 +139,7 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
         if i in called:
             whole.setdefault(i, module)
             continue
-        inside = subtree(module)
+        inside, parents = tree(module)
         tops: list[tuple[int, torch.nn.Module]] = []
         covered: list[set[int]] = []  # the tops' subtrees
         for j, m in zip(ids, ran, strict=True):  # an ancestor is called before its submodules
@@ -138,13 +149,17 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, subtree,
                         break
                 else:
                     tops.append((j, m))
-                    covered.append(subtree(m))
+                    covered.append(tree(m)[0])
         if not tops:
             whole.setdefault(i, module)
             continue
         own[i] = module
         for j, m in tops:
             whole.setdefault(j, m)
+            parent = parents.get(j)
+            while parent is not None and parent is not module:  # the modules in between
+                own.setdefault(id(parent), parent)
+                parent = parents.get(id(parent))
     for i in whole:
         own.pop(i, None)  # walked whole as another root's submodule
     return whole, own
@@ -368,7 +383,8 @@ class Walks:
 
     def __init__(self):
         self._kept: dict[tuple, _Kept] = {}  # module ids (whole, alone) -> their kept walk
-        self._subtrees: dict[int, tuple] = {}  # module id -> (it, registered, its subtree)
+        # module id -> (it, registered, the round it was read, ``_tree``'s answer)
+        self._trees: dict[int, tuple] = {}
         self._round = 0
         self._registered = 0  # parameters, buffers and modules registered while watching
         self._hooks: list | None = None
@@ -377,6 +393,11 @@ class Walks:
 
     def new_round(self) -> None:
         self._round += 1
+        if self._round % REWALK_ROUNDS == 0:  # let go of what can no longer hold
+            self._kept = {k: kept for k, kept in self._kept.items()
+                          if self._round - kept.round < REWALK_ROUNDS}
+            self._trees = {k: kept for k, kept in self._trees.items()
+                           if self._round - kept[2] < REWALK_ROUNDS}
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -400,22 +421,25 @@ class Walks:
             for handle in hooks:
                 handle.remove()
 
-    def _subtree(self, module: torch.nn.Module) -> set[int]:
-        """``module``'s and its submodules' ids, kept while no module was registered."""
-        kept = self._subtrees.get(id(module))
-        if kept is None or kept[0]() is not module or kept[1] != self._registered:
-            kept = self._subtrees[id(module)] = (weakref.ref(module), self._registered,
-                                                 _subtree(module))
-        return kept[2]
+    def _tree(self, module: torch.nn.Module, fresh: bool) -> tuple:
+        """``_tree(module)``, kept while no module was registered, for fewer than
+        ``REWALK_ROUNDS`` rounds (a submodule deleted, which no hook sees, is seen by then),
+        and read anew once a round where ``fresh``."""
+        kept = self._trees.get(id(module))
+        if (kept is None or kept[0]() is not module or kept[1] != self._registered
+                or self._round - kept[2] >= (1 if fresh else REWALK_ROUNDS)):
+            kept = self._trees[id(module)] = (weakref.ref(module), self._registered,
+                                              self._round, _tree(module))
+        return kept[3]
 
     def reach(self, roots, fresh: bool, ran=None) -> Reached:
         """What ``roots`` reach, narrowed to the modules ``ran`` (``narrowed``): their own
         tensors, and their modules' from the kept walk (a fresh one where it no longer
         holds)."""
         tensors, modules = _roots(roots)
-        whole, own = narrowed(modules, ran, self._subtree)
-        key = (tuple(whole), tuple(own))
-        listed = [*whole.values(), *own.values()]
+        whole, alone = narrowed(modules, ran, lambda m: self._tree(m, fresh))
+        key = (tuple(whole), tuple(alone))
+        listed = [*whole.values(), *alone.values()]
         kept = self._kept.get(key)
         found = None
         if kept is not None and kept.holds(listed, fresh, self._round, self._registered):
@@ -423,7 +447,7 @@ class Walks:
             self.rescanned += rescanned + kept.rescanned
             kept.rescanned = 0
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
-            walked = _walk(list(whole.values()), list(own.values()))
+            walked = _walk(list(whole.values()), list(alone.values()))
             kept = self._kept[key] = _Kept(listed, walked, self._round, self._registered,
                                            fresh)
             self.walked += 1
