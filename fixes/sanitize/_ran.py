@@ -10,9 +10,9 @@ checkpointed by ``recompute_method="block"`` was said to leave the trainable lay
 without a gradient (the never-recomputed check read the block's parameters as the region's).
 
 How: one global forward pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``)
-held only while some region's forward runs, appending each module called; a region's
-recording is the slice of those calls made while it was open (a nested region's calls are its
-outer region's too). Outside a region's forward no hook is registered: a module call takes
+held only while some region's forward runs, appending each module called to the calling
+thread's record; a region's recording is the slice of its thread's record made while it was
+open (a nested region's calls are its outer region's too; another thread's are not). Outside a region's forward no hook is registered: a module call takes
 torch's fast path, and a sanitizer entered with no region run costs nothing here. A module
 whose ``forward`` is called directly (not through ``__call__``) is not recorded: a root none
 of whose modules ran is reached whole, and one narrowed to the modules that ran keeps the own
