@@ -1280,3 +1280,56 @@ def test_a_write_outside_the_region_names_the_tensor_where_the_region_holds_it(v
         block(torch.randn(4, 8, requires_grad=True), True).sum().backward()
     assert "_Counted.layers.0.calls" in str(caught.value)
     assert "would have located it" not in str(caught.value)
+
+
+@pytest.mark.parametrize("inputs_require_grad", [True, False])
+def test_a_reentrant_regions_forward_is_recorded_once(monkeypatch, inputs_require_grad):
+    """A reentrant region's forward opens one recording of the modules it runs (``_ran``), the
+    Watch's, which the never-recomputed check reads too: a second one around it paid the
+    lock, the hook's registration and the record's slice again on every megatron layer."""
+    from fixes.sanitize._ran import ModulesRun
+
+    opened = []
+    recording = ModulesRun.recording
+    monkeypatch.setattr(ModulesRun, "recording",
+                        lambda self: opened.append(1) or recording(self))
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=inputs_require_grad)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
+        with recompute_sanitizer(values="none"):
+            if inputs_require_grad:
+                checkpoint(layer, x, use_reentrant=True).sum().backward()
+            else:
+                with pytest.raises(RecomputeMismatchError, match=r"Linear\.weight"):
+                    checkpoint(layer, x, use_reentrant=True)
+    assert len(opened) == 1
+
+
+def test_a_region_never_recomputed_is_named_on_the_round_the_locator_runs():
+    """Step 1's recompute differs: ``all`` arms the locator for the call site's next round.
+    In step 2 that region (the locator's, which records no modules of its own) gets inputs
+    that need no grad: it is never recomputed, and still named by the parameters of the
+    layer it ran, not the whole block its closure holds."""
+    import warnings
+
+    state = {"scale": 1.0}
+    block = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+    def f(x):
+        return block[0](x) * state["scale"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
+        with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
+                recompute_sanitizer(values="all") as sanitizer:
+            for step in range(2):
+                state["scale"] = 1.0
+                y = checkpoint(f, torch.randn(4, 8, requires_grad=step == 0),
+                               use_reentrant=True).sum()
+                state["scale"] = 2.0
+                y.backward()
+    assert sanitizer.located == 1
+    assert caught.value.item == "ModuleList.0.weight, ModuleList.0.bias"

@@ -56,12 +56,11 @@ from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Verdict
 from fixes.sanitize._ran import ModulesRun
-from fixes.sanitize._reach import Reached, State, Walks, reached, tensor_name
+from fixes.sanitize._reach import _CALL, Reached, State, Walks, reached, tensor_name
 
 __all__ = ["Detection", "Watch"]
 
 _METADATA = operator.attrgetter("shape", "dtype", "device")
-_CALL = operator.call  # a weak reference's referent, in map
 
 
 @dataclass(slots=True)

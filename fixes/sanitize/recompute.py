@@ -364,10 +364,17 @@ class RecomputeSanitizer:
                 return original(ctx, run_function, *args)
             roots = roots_of(run_function, args)
             region = self.region(kind, run_function, roots=roots)
-            with self._modules_run.recording() as ran:
+            unreached = outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
+                                               for a in args)
+            if isinstance(region, Watch):  # its forward records the modules it runs
                 out = original(ctx, region.function(run_function), *args)
-            if outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
-                                      for a in args):
+                ran = region.ran()
+            elif unreached:  # the locator's region records none: recorded here for the check
+                with self._modules_run.recording() as ran:
+                    out = original(ctx, region.function(run_function), *args)
+            else:
+                return original(ctx, region.function(run_function), *args)
+            if unreached:
                 error = never_recomputed_error(region.name(), roots, ran)
                 if error is not None:
                     raise error
