@@ -23,6 +23,10 @@ from torch.utils.checkpoint import (
 from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
 from repro import run_isolated
 
+# torch's own warning for a reentrant checkpoint none of whose inputs requires grad: the
+# never-recomputed tests make exactly that region
+_NO_INPUT_REQUIRES_GRAD = "ignore:None of the inputs have requires_grad:UserWarning"
+
 pytestmark = [pytest.mark.cpu, pytest.mark.no_stackfix_sanitize]
 
 # -- error cases, each in a child ----------------------------------------------------------------
@@ -858,24 +862,21 @@ def test_the_forwards_saved_tensors_go_before_backward_as_without_the_sanitizer(
 
 @pytest.mark.parametrize("values", ["all", "sampled", "none"])
 @pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.filterwarnings(_NO_INPUT_REQUIRES_GRAD)
 def test_a_reentrant_region_no_input_of_which_requires_grad_is_named_at_its_forward(values,
                                                                                     frozen):
     """Grad on, no input requiring grad: the reentrant checkpoint's output has no grad_fn, the
     region is never recomputed and its parameters get no gradient (a frozen embedding under
     PEFT). Named when its forward ends, with the parameters; all frozen: no error."""
-    import warnings
-
     layer = torch.nn.Linear(8, 8)
     layer.requires_grad_(not frozen)
     x = torch.randn(4, 8)  # no grad: the output of a frozen embedding
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
-        with recompute_sanitizer(values=values):
-            if frozen:
-                assert not checkpoint(layer, x, use_reentrant=True).requires_grad
-                return
-            with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught:
-                checkpoint(layer, x, use_reentrant=True)
+    with recompute_sanitizer(values=values):
+        if frozen:
+            assert not checkpoint(layer, x, use_reentrant=True).requires_grad
+            return
+        with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught:
+            checkpoint(layer, x, use_reentrant=True)
     assert "Linear.weight, Linear.bias" in str(caught.value)
     assert caught.value.verdict == "never recomputed"
     with torch.no_grad(), recompute_sanitizer(values=values):  # grad off: nothing to recompute
@@ -903,6 +904,7 @@ class _FrozenBottom(torch.nn.Module):
 
 
 @pytest.mark.parametrize("values", ["all", "none"])
+@pytest.mark.filterwarnings(_NO_INPUT_REQUIRES_GRAD)
 def test_a_frozen_bottom_layer_is_judged_by_its_own_parameters_not_the_blocks(values):
     """PEFT-style: the embedding and the bottom (checkpointed) layer frozen, the layers above
     trainable. The bottom region is never recomputed and needs not be: its parameters are
@@ -910,21 +912,17 @@ def test_a_frozen_bottom_layer_is_judged_by_its_own_parameters_not_the_blocks(va
     the region's, the trainable layers' parameters made a false "never recomputed" (on real
     megatron too: ``test_sanitize_recompute_real_models``). Narrowed to the modules its
     forward ran, it is silent; a trainable checkpointed layer is still named, by its path."""
-    import warnings
-
     block = _FrozenBottom(3, checkpointed=1)
     block.layers[0].requires_grad_(False)
     x = torch.randn(4, 8)  # a frozen embedding's output
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
-        with recompute_sanitizer(values=values):
-            block(x).sum().backward()
-        assert all(p.grad is not None for p in block.layers[1:].parameters())
-        block = _FrozenBottom(3, checkpointed=2)
-        block.layers[0].requires_grad_(False)  # layer 1, checkpointed, gets no gradient
-        with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
-                recompute_sanitizer(values=values):
-            block(x)
+    with recompute_sanitizer(values=values):
+        block(x).sum().backward()
+    assert all(p.grad is not None for p in block.layers[1:].parameters())
+    block = _FrozenBottom(3, checkpointed=2)
+    block.layers[0].requires_grad_(False)  # layer 1, checkpointed, gets no gradient
+    with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
+            recompute_sanitizer(values=values):
+        block(x)
     assert caught.value.item == "_FrozenBottom.layers.1.weight, _FrozenBottom.layers.1.bias"
 
 
@@ -1283,6 +1281,7 @@ def test_a_write_outside_the_region_names_the_tensor_where_the_region_holds_it(v
 
 
 @pytest.mark.parametrize("inputs_require_grad", [True, False])
+@pytest.mark.filterwarnings(_NO_INPUT_REQUIRES_GRAD)
 def test_a_reentrant_regions_forward_is_recorded_once(monkeypatch, inputs_require_grad):
     """A reentrant region's forward opens one recording of the modules it runs (``_ran``), the
     Watch's, which the never-recomputed check reads too: a second one around it paid the
@@ -1295,41 +1294,34 @@ def test_a_reentrant_regions_forward_is_recorded_once(monkeypatch, inputs_requir
                         lambda self: opened.append(1) or recording(self))
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=inputs_require_grad)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
-        with recompute_sanitizer(values="none"):
-            if inputs_require_grad:
-                checkpoint(layer, x, use_reentrant=True).sum().backward()
-            else:
-                with pytest.raises(RecomputeMismatchError, match=r"Linear\.weight"):
-                    checkpoint(layer, x, use_reentrant=True)
+    with recompute_sanitizer(values="none"):
+        if inputs_require_grad:
+            checkpoint(layer, x, use_reentrant=True).sum().backward()
+        else:
+            with pytest.raises(RecomputeMismatchError, match=r"Linear\.weight"):
+                checkpoint(layer, x, use_reentrant=True)
     assert len(opened) == 1
 
 
+@pytest.mark.filterwarnings(_NO_INPUT_REQUIRES_GRAD)
 def test_a_region_never_recomputed_is_named_on_the_round_the_locator_runs():
     """Step 1's recompute differs: ``all`` arms the locator for the call site's next round.
     In step 2 that region (the locator's, which records no modules of its own) gets inputs
     that need no grad: it is never recomputed, and still named by the parameters of the
     layer it ran, not the whole block its closure holds."""
-    import warnings
-
     state = {"scale": 1.0}
     block = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
 
     def f(x):
         return block[0](x) * state["scale"]
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
-        with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
-                recompute_sanitizer(values="all") as sanitizer:
-            for step in range(2):
-                state["scale"] = 1.0
-                y = checkpoint(f, torch.randn(4, 8, requires_grad=step == 0),
-                               use_reentrant=True).sum()
-                state["scale"] = 2.0
-                y.backward()
+    with pytest.raises(RecomputeMismatchError, match="never recomputed") as caught, \
+            recompute_sanitizer(values="all") as sanitizer:
+        for step in range(2):
+            state["scale"] = 1.0
+            y = checkpoint(f, torch.randn(4, 8, requires_grad=step == 0),
+                           use_reentrant=True).sum()
+            state["scale"] = 2.0
+            y.backward()
     assert sanitizer.located == 1
     assert caught.value.item == "ModuleList.0.weight, ModuleList.0.bias"
