@@ -1035,6 +1035,94 @@ def test_a_layers_region_reaches_as_many_tensors_however_deep_the_block(monkeypa
     assert per_depth[2] == per_depth[6] and len(per_depth[2]) == 1, per_depth
 
 
+class _Dropped(torch.nn.Module):
+    """megatron's regions at one call site: each layer's function a new closure each step,
+    of one code, with the block and its layer in it; ``drop`` layers skipped this step (the
+    regions after them move up in the round); a layer with ``counting`` set counts its calls
+    in a buffer of its own (so its recompute counts them again)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+        for layer in self.layers:
+            layer.register_buffer("calls", torch.zeros(()))
+            layer.counting = False
+        self.hooks: list[int] = []  # global forward pre-hooks held at each layer call
+
+    def custom(self, i: int):
+        block, layer = self, self.layers[i]
+
+        def custom_forward(h):
+            assert block.layers[i] is layer
+            block.hooks.append(len(torch.nn.modules.module._global_forward_pre_hooks))
+            if layer.counting:
+                layer.calls.add_(1)
+            return torch.tanh(layer(h))
+
+        return custom_forward
+
+    def forward(self, x, reentrant: bool, drop=()):
+        for i in range(len(self.layers)):
+            if i not in drop:
+                x = checkpoint(self.custom(i), x, use_reentrant=reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["all", "sampled", "none"])
+def test_a_region_records_the_modules_its_forward_runs_once_while_the_record_holds(
+        values, reentrant):
+    """Recording the modules a region's forward runs (``_ran``) holds a global module hook,
+    which puts every module call of the forward on torch's slow path (a third of
+    ``values="none"``'s Python calls a region on megatron's MoE). In ``sampled`` and ``none``
+    a region of the same identity -- call site, position, its function's code and closure --
+    takes the record made lately (``_reach.Walks.ran``): the hook is held in the first step
+    alone; ``all`` records every forward."""
+    block = _Dropped(3)
+    steps = []
+    with recompute_sanitizer(values=values) as sanitizer:
+        for _ in range(4):
+            block.hooks.clear()
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+            steps.append(max(block.hooks))
+    if values == "all":
+        assert steps == [1, 1, 1, 1]
+    else:
+        assert steps == [1, 0, 0, 0] and sanitizer._walks.recorded == 3
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["sampled", "none"])
+def test_a_lent_record_is_the_regions_own_when_the_layers_before_it_are_skipped(
+        values, reentrant):
+    """The record a region is lent is its own layer's, told apart by what its closure holds,
+    not by its position alone: with the first layer skipped from the third step on, the
+    third layer's region sits where the second's did; lent the second's record, it reached
+    the second layer and its recompute's count, begun at the fourth step, went unseen."""
+    block = _Dropped(3)
+    with pytest.raises(RecomputeMismatchError, match=r"layers\.2\.calls"), \
+            recompute_sanitizer(values=values) as sanitizer:
+        for step in range(5):
+            block.layers[2].counting = step >= 3
+            block(torch.randn(4, 8, requires_grad=True), reentrant,
+                  drop=(0,) if step >= 2 else ()).sum().backward()
+    assert float(block.layers[2].calls) == 1.0  # the forward's count: the recompute's undone
+    assert sanitizer._walks.recorded == 5  # 3 in the first step, 2 moved up in the third
+
+
+@pytest.mark.parametrize("values", ["sampled", "none"])
+def test_a_record_is_made_again_after_a_module_is_registered(values):
+    """A registration anywhere (torch's global registration hooks) may change what a
+    region's forward runs: its identity's next region records again."""
+    block = _Dropped(2)
+    with recompute_sanitizer(values=values) as sanitizer:
+        for step in range(3):
+            if step == 2:
+                block.layers[1].extra = torch.nn.Identity()
+            block(torch.randn(4, 8, requires_grad=True), False).sum().backward()
+    assert sanitizer._walks.recorded == 4
+
+
 def test_a_compiled_module_inside_a_region_is_not_compiled_again_by_the_module_hook():
     """The module hook (``_ran``) is registered at each region's forward and removed after: a
     ``torch.compile``d module called inside reuses its graph (no recompile on the hook's

@@ -14,7 +14,8 @@ Per region (a ``Watch``):
   device, one host synchronisation per device after the backward);
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
-  hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``) -- small
+  hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``; in ``sampled``
+  and ``none`` the record of a recent region of the same identity, ``_reach.Walks.ran``) -- small
   non-parameter ones by their contents before and after (batch norm updates its running
   statistics without bumping their version counter), the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
@@ -164,7 +165,8 @@ class Watch:
 
     def __init__(self, kind: str, label: str, site: tuple[str, ...], stats, roots,
                  reentrant: bool, printed: bool, found, walks: Walks | None = None,
-                 fresh: bool = True, modules_run: ModulesRun | None = None):
+                 fresh: bool = True, modules_run: ModulesRun | None = None,
+                 ran_key: tuple | None = None):
         self.kind, self.label, self.site, self.stats = kind, label, site, stats
         self.reentrant, self.printed, self.found = reentrant, printed, found
         self._walks, self._fresh = walks, fresh  # see _reach.Walks
@@ -173,6 +175,9 @@ class Watch:
         # weakly: one built inside the forward (and its tensors) goes when the forward ends
         self._modules_run = modules_run
         self._ran: list[weakref.ref] | None = None
+        # its identity (``_ran.identity``): the modules recorded for it lately are taken
+        # (``Walks.ran``) instead of recording them again; None: recorded
+        self._ran_key = ran_key if walks is not None else None
         self.forward: _Side | None = None
         self.broken: str | None = None
         self.judged_outside = False
@@ -194,20 +199,28 @@ class Watch:
         return [m for m in map(_CALL, self._ran) if m is not None]
 
     def reached(self) -> Reached | list[torch.Tensor]:
-        roots, ran = self._live_roots(), self.ran()
+        roots = self._live_roots()
         if self._walks is None:
-            return reached(roots, ran)
-        return self._walks.reach(roots, self._fresh, ran)
+            return reached(roots, self.ran())
+        return self._walks.reach(roots, self._fresh, self.ran, self._ran_key, self._ran)
 
     def _recording_modules(self):
         """A context recording the modules the forward runs (``_ran``), or none."""
         if self._modules_run is None:
             return contextlib.nullcontext([])
+        if self._ran_key is not None:
+            kept = self._walks.ran(self._ran_key)
+            if kept is not None:
+                self._ran = kept
+                return contextlib.nullcontext(None)
         return self._modules_run.recording()
 
-    def _ran_these(self, modules: list[torch.nn.Module]) -> None:
-        if self._modules_run is not None:
+    def _ran_these(self, modules: list[torch.nn.Module] | None) -> None:
+        """The forward's record (None: taken from the last one of its identity)."""
+        if self._modules_run is not None and modules is not None:
             self._ran = list(map(weakref.ref, modules))
+            if self._ran_key is not None:
+                self._walks.keep_ran(self._ran_key, self._ran)
 
     # -- non-reentrant -------------------------------------------------------------------------
 

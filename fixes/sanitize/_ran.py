@@ -20,15 +20,69 @@ state of every module between it and them (``_reach.narrowed``).
 A ``torch.compile``d module called inside a region keeps its graph (the hook's coming and
 going compiles nothing again); torch warns there, once per call site, that global hooks fire
 twice for an ``OptimizedModule`` (the record counts each module once).
+
+Lent: while the hook is held every module call of the forward takes torch's slow path (on
+megatron's MoE a third of ``values="none"``'s Python calls a region). In ``sampled`` and
+``none`` a region takes the record of the last region of its ``identity`` -- call site,
+position in its round, its function's code and what its closure holds, its plain arguments
+-- made fewer than ``REWALK_ROUNDS`` rounds ago with no parameter, buffer or module
+registered since (``_reach.Walks.ran``), and its forward records nothing. A forward that runs
+other modules than its identity's last recorded one (control flow on data) is narrowed to
+those until its identity records again: writes outside the region missed there, none
+invented. ``all`` records every forward; a region whose never-recomputed check needs the
+record (``recompute``) records it.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import types
 
 import torch
 
-__all__ = ["ModulesRun"]
+__all__ = ["ModulesRun", "identity"]
+
+_VALUES = (type(None), bool, int, float, str, bytes)  # compared by value, not by object
+
+
+def _part(obj) -> object:
+    return obj if type(obj) in _VALUES else id(obj)
+
+
+def _cell(cell) -> object:
+    try:
+        return _part(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return None
+
+
+def identity(fn, args=(), kwargs=None) -> tuple:
+    """What tells a region's function apart from another's at one call site, by identity, not
+    by reading it: a module or other callable object itself; a bound method's function and
+    object; a function's code and what its closure cells and default arguments hold; a
+    partial's function and arguments -- plain values (None, bool, int, float, str, bytes) by
+    value, anything else by identity -- and the region's plain arguments (megatron's
+    ``custom(start, end)`` makes a new closure per layer each step: its code and cells'
+    contents are the layer's). Equal
+    identities at one call site and round position are taken to run the same modules
+    (``_reach.Walks.ran``); where that is wrong, what the region reaches is narrowed to
+    another region's modules -- writes outside the region missed, none invented -- for at most
+    ``REWALK_ROUNDS`` rounds."""
+    if isinstance(fn, types.MethodType):
+        key = (id(fn.__func__), id(fn.__self__))
+    elif isinstance(fn, types.FunctionType):
+        key = (id(fn.__code__), tuple(map(_cell, fn.__closure__ or ())),
+               tuple(map(_part, fn.__defaults__ or ())))
+    elif isinstance(fn, functools.partial):
+        key = (identity(fn.func), tuple(map(_part, fn.args)),
+               tuple((k, _part(v)) for k, v in fn.keywords.items()))
+    else:
+        key = id(fn)
+    plain = tuple(a for a in args if type(a) in _VALUES)
+    if kwargs:
+        plain += tuple((k, v) for k, v in kwargs.items() if type(v) in _VALUES)
+    return key, plain
 
 
 class ModulesRun:

@@ -76,6 +76,7 @@ __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "a
 
 SMALL_STATE_BYTES = 1 << 16  # reached non-parameter tensors up to this size: compared by value
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
 # attribute values walked no further (a module's own walk reaches its submodules)
 _ATOMIC = (torch.nn.Module, type, str, bytes, int, float)
 # what is no plain object or dict (a rescan reads the whole of it)
@@ -388,8 +389,12 @@ class Walks:
         self._round = 0
         self._registered = 0  # parameters, buffers and modules registered while watching
         self._hooks: list | None = None
+        # region identity (call site, position, ``_ran.identity``) -> [the modules its forward
+        # ran, weakly; the round recorded; registrations then; its ``_Plan`` or None]
+        self._ran: dict[tuple, list] = {}
         self.walked = 0  # fresh walks done
         self.rescanned = 0  # modules scanned again: a tensor found in them was freed
+        self.recorded = 0  # regions whose forward recorded the modules it ran
 
     def new_round(self) -> None:
         self._round += 1
@@ -398,6 +403,24 @@ class Walks:
                           if self._round - kept.round < REWALK_ROUNDS}
             self._trees = {k: kept for k, kept in self._trees.items()
                            if self._round - kept[2] < REWALK_ROUNDS}
+            self._ran = {k: kept for k, kept in self._ran.items()
+                         if self._round - kept[1] < REWALK_ROUNDS}
+
+    def ran(self, key: tuple) -> list[weakref.ref] | None:
+        """The modules the forward of the region ``key`` (its identity) ran when last recorded
+        -- fewer than ``REWALK_ROUNDS`` rounds ago, with no parameter, buffer or module
+        registered since -- or None: record them. Why: recording puts every module call of a
+        region's forward on torch's slow path (a global hook, ``_ran``): on megatron's MoE that
+        was a third of ``values="none"``'s Python calls a region."""
+        kept = self._ran.get(key)
+        if kept is None or kept[2] != self._registered or self._round - kept[1] >= REWALK_ROUNDS:
+            return None
+        return kept[0]
+
+    def keep_ran(self, key: tuple, refs: list[weakref.ref]) -> None:
+        self._ran[key] = [refs, self._round, self._registered, None]  # its ``_Plan``: reach's
+        self.recorded += 1
+
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -432,14 +455,46 @@ class Walks:
                                               self._round, _tree(module))
         return kept[3]
 
-    def reach(self, roots, fresh: bool, ran=None) -> Reached:
-        """What ``roots`` reach, narrowed to the modules ``ran`` (``narrowed``): their own
-        tensors, and their modules' from the kept walk (a fresh one where it no longer
-        holds)."""
-        tensors, modules = _roots(roots)
-        whole, alone = narrowed(modules, ran, lambda m: self._tree(m, fresh))
-        key = (tuple(whole), tuple(alone))
-        listed = [*whole.values(), *alone.values()]
+    def _planned(self, key, recorded, roots) -> tuple | None:
+        """(tensors, walk key, modules listed) of ``roots`` from the plan of region ``key``
+        made with the record ``recorded`` (``_Plan``), or None: none, or something in it
+        freed."""
+        entry = self._ran.get(key)
+        if entry is None or entry[0] is not recorded or entry[3] is None:
+            return None
+        plan = entry[3]
+        listed = list(map(_CALL, plan.listed))
+        found = list(map(_CALL, plan.tensors))
+        if any(map(operator.is_, itertools.chain(listed, found), itertools.repeat(None))):
+            return None
+        tensors = dict(zip(map(id, found), found, strict=True))
+        for t in itertools.islice(roots, 1, None):  # plain tensors (``_plannable``)
+            tensors.setdefault(id(t), t)
+        return tensors, plan.walk_key, listed
+
+    def reach(self, roots, fresh: bool, ran=None, key: tuple | None = None,
+              recorded: list | None = None) -> Reached:
+        """What ``roots`` reach, narrowed to the modules ``ran`` (``narrowed``; a list, or a
+        function returning it, called where needed): their own tensors, and their modules'
+        from the kept walk (a fresh one where it no longer holds). ``key``, a region's
+        identity whose forward's record of the modules it ran is ``recorded`` (``ran``):
+        where its function (``roots[0]``) has a plan made with that record and the other
+        roots are plain tensors, what the function reaches is the plan's (``_Plan``)."""
+        planned = None
+        plannable = key is not None and not fresh and _plannable(roots)
+        if plannable:
+            planned = self._planned(key, recorded, roots)
+        if planned is not None:
+            tensors, key, listed = planned
+        else:
+            tensors, modules = _roots(roots)
+            whole, alone = narrowed(modules, ran() if callable(ran) else ran,
+                                    lambda m: self._tree(m, fresh))
+            if plannable and (entry := self._ran.get(key)) is not None \
+                    and entry[0] is recorded:
+                entry[3] = _Plan(_roots(roots[:1])[0], whole, alone)
+            key = (tuple(whole), tuple(alone))
+            listed = [*whole.values(), *alone.values()]
         kept = self._kept.get(key)
         found = None
         if kept is not None and kept.holds(listed, fresh, self._round, self._registered):
@@ -462,6 +517,46 @@ class Walks:
 
     def reached(self, roots, fresh: bool, ran=None) -> list[torch.Tensor]:
         return list(self.reach(roots, fresh, ran))
+
+
+_STORAGE_BYTES = operator.methodcaller("nbytes")
+_SIGNATURE = (_DATA_PTR, operator.methodcaller("stride"),
+              operator.methodcaller("storage_offset"), _SHAPE_DTYPE)
+
+
+def _signatures(tensors: list[torch.Tensor]) -> list[tuple] | None:
+    """Each tensor's (data pointer, strides, offset, (shape, dtype), its storage's bytes),
+    read with no Python call per tensor. Equal to when a byte view of a readable tensor
+    (``fp.readable``) was made: it is still readable and the view reads its bytes (a tensor
+    given another storage, or one released by ``resize_(0)``, has another data pointer; a
+    storage regrown smaller, other bytes). None for a tensor with no strides (sparse)."""
+    try:
+        storages = map(_STORAGE_BYTES, map(torch.Tensor.untyped_storage, tensors))
+        return list(zip(*(map(f, tensors) for f in _SIGNATURE), storages, strict=True))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Plan:
+    """What a region identity's function reaches, made once per record of the modules its
+    forward ran (``Walks.ran``): the plain tensors found through it (``_roots``: its closure,
+    defaults, the globals it names), and its modules narrowed to those the forward ran --
+    the kept walk's key and modules. Taken as its own by every region of that identity while
+    the record holds (found through its closure each region, with the narrowing, it was a
+    fifth of ``values="none"``'s Python calls a region on megatron's MoE). Held weakly."""
+
+    __slots__ = ("tensors", "listed", "walk_key")
+
+    def __init__(self, tensors: dict, whole: dict, alone: dict):
+        self.tensors = [weakref.ref(t) for t in tensors.values()]
+        self.listed = [weakref.ref(m) for m in itertools.chain(whole.values(), alone.values())]
+        self.walk_key = (tuple(whole), tuple(alone))
+
+
+def _plannable(roots) -> bool:
+    """A region whose roots besides its function are plain tensors (its arguments): what the
+    function reaches can be planned (``_Plan``); a module argument is narrowed each time."""
+    return set(map(type, itertools.islice(roots, 1, None))) <= _PLAIN_TYPES
 
 
 def tensor_name(t: torch.Tensor, roots) -> str | None:
@@ -746,8 +841,17 @@ def _walk(modules: list[torch.nn.Module], alone: list[torch.nn.Module] = (),
     return out
 
 
+# dtypes whose elements are their bytes as they are (``fp.bits`` resolves nothing)
+_AS_BYTES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype)
+                      and not d.is_complex and d not in (torch.qint8, torch.quint8,
+                                                         torch.qint32, torch.quint4x2,
+                                                         torch.quint2x4))
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as a flat uint8 tensor (a copy only where ``t`` is not contiguous)."""
+    if t.dtype in _AS_BYTES and t.is_contiguous() and not t.is_neg():
+        return t.view(-1).view(torch.uint8)  # ``fp.bits``'s answer, with fewer calls
     return fp.bits(t).reshape(-1).view(torch.uint8)
 
 
@@ -762,19 +866,23 @@ class State:
     def __init__(self, reached_tensors: Reached | list[torch.Tensor]):
         found = (reached_tensors if isinstance(reached_tensors, Reached)
                  else Reached.of(reached_tensors))
-        self.small: list[torch.Tensor] = []
-        self.metas: list[tuple] = []  # (shape, dtype) of each small tensor, as found
         self.snapshots: dict[torch.device, tuple[list[int], torch.Tensor]] = {}
         self.declarations = _intended.entered()
+        self.small: list[torch.Tensor] = []
         released: list[torch.Tensor] = []  # small, storage released: by counter
         groups: dict[torch.device, list[int]] = {}
         for t in found.small:
             if fp.readable(t):
                 groups.setdefault(t.device, []).append(len(self.small))
                 self.small.append(t)
-                self.metas.append((t.shape, t.dtype))
             elif t.layout is torch.strided and not t.is_meta:
                 released.append(t)
+        # each small tensor's (data pointer, strides, offset, (shape, dtype)), as found
+        self._signatures = _signatures(self.small)
+        if self._signatures is not None:
+            self.metas = [s[3] for s in self._signatures]
+        else:
+            self.metas = list(map(_SHAPE_DTYPE, self.small))
         versioned = found.versioned + released if released else found.versioned
         # the counters read in one pass each (no call per tensor: a kept walk reaches every
         # parameter of megatron's block from each of its layers' regions)
@@ -786,18 +894,26 @@ class State:
         # another storage (``set_``, ``.data =``) leaves its view reading the old one, so its
         # bytes are then read where they are now (``_now``).
         self._views: dict[torch.device, list[torch.Tensor]] = {}
-        self._pointers = [t.data_ptr() for t in self.small]
+        self._pointers = ([s[0] for s in self._signatures] if self._signatures is not None
+                          else list(map(_DATA_PTR, self.small)))
         self._after: dict[torch.device, torch.Tensor | list] | None = None  # (``settle``)
         self.declared: int | None = None  # ``_intended.entered()`` when the recompute ended
         # devices where some "view" is a copy (a transposed, conjugate or negative-bit tensor
         # has no byte view): read again at ``settle`` (a frozen copy hid the write)
         self._copied: set[torch.device] = set()
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            for device, indices in groups.items():  # a copy: one kernel per device
-                views = self._views[device] = [_bytes(self.small[i]) for i in indices]
-                if list(map(_DATA_PTR, views)) != [self._pointers[i] for i in indices]:
-                    self._copied.add(device)
-                self.snapshots[device] = (indices, torch.cat(views))
+        if not groups:
+            return
+        grad = torch.is_grad_enabled()  # (torch.no_grad() costs a few Python calls more)
+        torch._C._set_grad_enabled(False)
+        try:
+            with torch._C._DisableTorchDispatch():
+                for device, indices in groups.items():  # a copy: one kernel per device
+                    views = self._views[device] = [_bytes(self.small[i]) for i in indices]
+                    if list(map(_DATA_PTR, views)) != [self._pointers[i] for i in indices]:
+                        self._copied.add(device)
+                    self.snapshots[device] = (indices, torch.cat(views))
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     @property
     def versions(self) -> list[tuple[torch.Tensor, int]]:
@@ -820,6 +936,10 @@ class State:
         view that was a copy is read where the bytes are now."""
         indices = self.snapshots[device][0]
         tensors = [self.small[i] for i in indices]
+        if (self._signatures is not None and device not in self._copied
+                and _signatures(tensors) == [self._signatures[i] for i in indices]):
+            with torch._C._DisableTorchDispatch():  # as found: the views read them
+                return torch.cat(self._views[device])
         if (list(map(_SHAPE_DTYPE, tensors)) == [self.metas[i] for i in indices]
                 and all(map(fp.readable, tensors))):
             if device not in self._copied and list(map(_DATA_PTR, tensors)) == [

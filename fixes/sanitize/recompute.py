@@ -38,7 +38,8 @@ implementation, so that every region is seen whoever calls it --
 
 Also held while active: torch's global parameter, buffer and module registration hooks
 (``_reach.Walks.watching``); and only while a region's forward runs, one global module
-forward pre-hook recording the modules it runs (``_ran``: what the region reaches).
+forward pre-hook recording the modules it runs (``_ran``: what the region reaches; in
+``sampled`` and ``none`` only where the region's identity has no recent record).
 
 Values are compared bitwise, or within ``ATOMIC_RTOL`` where the exact prints differ on CUDA
 without deterministic algorithms or in a reentrant region's outputs (a lowering; in ``all``
@@ -77,7 +78,7 @@ from fixes.sanitize._modes import VALUES, Values
 from fixes.sanitize._on_import import OnImport
 from fixes.sanitize._opsite import entry_frame
 from fixes.sanitize._patch import _apply, _ApplyPatch, _checkpoint_frame, _Patch
-from fixes.sanitize._ran import ModulesRun
+from fixes.sanitize._ran import ModulesRun, identity
 from fixes.sanitize._reach import Walks, any_changed, changed_flags, roots_of
 from fixes.sanitize._region import Region
 
@@ -146,9 +147,14 @@ class RecomputeSanitizer:
         return self._walks.walked
 
     def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
-               roots: list | None = None) -> Watch | Region:
+               roots: list | None = None, args: tuple | None = None,
+               kwargs: dict | None = None) -> Watch | Region:
         """The detect tier's ``Watch`` for a new region; the locator's ``Region`` (the op
-        stream) for one at the call site and round position of an earlier detection."""
+        stream) for one at the call site and round position of an earlier detection.
+        ``args`` (and ``kwargs``), the region's arguments, where given in ``sampled`` and
+        ``none``: a region of the same identity (``_ran.identity``: call site, position,
+        function and plain arguments) recorded lately lends it the modules its forward ran
+        (``Walks.ran``); None: its forward records them."""
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
         site = call_site()
         key = site[:1]  # the line that checkpoints: its callers may differ from step to step
@@ -166,9 +172,11 @@ class RecomputeSanitizer:
             region = Region(kind, label, site, self, opaque, reentrant)
             region.detection, region.position = found, position
             return region
+        fresh = self.values == "all"
+        ran_key = None if fresh or args is None else (key, position, identity(fn, args, kwargs))
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
                       reentrant, self._printed(position, rounds), self._found, self._walks,
-                      fresh=self.values == "all", modules_run=self._modules_run)
+                      fresh=fresh, modules_run=self._modules_run, ran_key=ran_key)
         watch.position = position
         return watch
 
@@ -299,10 +307,10 @@ class RecomputeSanitizer:
             roots = roots_of(fn, rest, kwargs)
             if caller.startswith("torch_remat"):
                 region = self.region("torch_remat", fn, opaque=True, reentrant=False,
-                                     roots=roots)
+                                     roots=roots, args=rest, kwargs=kwargs)
             else:
                 region = self.region("torch.utils.checkpoint, non-reentrant", fn,
-                                     reentrant=False, roots=roots)
+                                     reentrant=False, roots=roots, args=rest, kwargs=kwargs)
             entry = entry_frame(sys._getframe(1))
             inner = original(region.replaying(fn), *rest, **kwargs)
             next(inner)  # the checkpoint's hooks and the caller's forward context are entered
@@ -363,11 +371,15 @@ class RecomputeSanitizer:
             if not self._on() or torch.compiler.is_compiling():
                 return original(ctx, run_function, *args)
             roots = roots_of(run_function, args)
-            region = self.region(kind, run_function, roots=roots)
             unreached = outer_grad and not any(isinstance(a, torch.Tensor) and a.requires_grad
                                                for a in args)
+            # the never-recomputed check reads what this forward runs: recorded, not lent
+            region = self.region(kind, run_function, roots=roots,
+                                 args=None if unreached else args)
             if isinstance(region, Watch):  # its forward records the modules it runs
                 out = original(ctx, region.function(run_function), *args)
+                if not unreached:
+                    return out
                 ran = region.ran()
             elif unreached:  # the locator's region records none: recorded here for the check
                 with self._modules_run.recording() as ran:
@@ -386,7 +398,7 @@ class RecomputeSanitizer:
         def checkpoint(obj, run_function, *args):
             if self._on() and not torch.compiler.is_compiling():
                 run_function = self.region(kind, run_function, roots=roots_of(
-                    run_function, args)).function(run_function)
+                    run_function, args), args=args).function(run_function)
             return original(obj, run_function, *args)
 
         return checkpoint
