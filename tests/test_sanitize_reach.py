@@ -831,3 +831,35 @@ def test_the_kept_walk_of_a_narrowed_region_sees_a_layer_registered_since(monkey
         new = block.layers[1]
         got = _ids(walks.reached([region(1)], fresh=False, ran=[new]))
     assert got == _ids([*new.parameters(), block.step])
+
+
+def _readable_cases():
+    base = torch.arange(24.0)
+    released = torch.zeros(4)
+    released.untyped_storage().resize_(0)
+    released_view = torch.zeros(8)[2:]
+    released_view.untyped_storage().resize_(0)
+    shrunk = torch.zeros(16)
+    view_past = shrunk[8:]
+    shrunk.untyped_storage().resize_(16)  # 4 floats left: the view reads past them
+    return {
+        "contiguous": base, "0-d": torch.tensor(3), "empty": torch.zeros(0, 3),
+        "transposed": base.view(4, 6).t(), "strided": base[::3], "offset": base[5:9],
+        "expanded": torch.ones(1, 3).expand(4, 3), "bool": torch.ones(3, dtype=torch.bool),
+        "bf16": torch.ones(5, dtype=torch.bfloat16), "released": released,
+        "released view": released_view, "past a shrunk storage": view_past,
+        "meta": torch.empty(3, device="meta"), "parameter": torch.nn.Parameter(base.clone()),
+        "subclass": torch.Tensor._make_subclass(type("Sub", (torch.Tensor,), {}), base),
+    }
+
+
+@pytest.mark.parametrize("name", list(_readable_cases()))
+def test_a_signature_answers_readable_as_the_tensor_does(name):
+    """``State`` asks whether a small tensor can be read from its signature (``_fits``: no
+    call into torch per tensor); it must answer as ``fp.readable`` does -- a released or
+    shrunk storage read is a segmentation fault on CPU."""
+    from fixes.sanitize import _fingerprint as fp
+
+    t = _readable_cases()[name]
+    (signature,) = _reach._signatures([t])
+    assert _reach._fits(t, signature) == fp.readable(t)

@@ -537,6 +537,21 @@ def _signatures(tensors: list[torch.Tensor]) -> list[tuple] | None:
         return None
 
 
+def _fits(t: torch.Tensor, signature: tuple) -> bool:
+    """``fp.readable(t)`` from its signature (``_signatures``), with no call into torch: a plain
+    tensor with memory (a meta tensor's data pointer, and that of a released storage at
+    offset 0, is 0), elements, and a storage holding every one of them."""
+    pointer, strides, offset, (shape, dtype), nbytes = signature
+    if pointer == 0 or type(t) not in _PLAIN_TYPES:
+        return False
+    extent = offset + 1
+    for size, stride in zip(shape, strides, strict=True):
+        if size == 0:
+            return False
+        extent += (size - 1) * abs(stride)
+    return extent * dtype.itemsize <= nbytes
+
+
 class _Plan:
     """What a region identity's function reaches, made once per record of the modules its
     forward ran (``Walks.ran``): the plain tensors found through it (``_roots``: its closure,
@@ -871,14 +886,21 @@ class State:
         self.small: list[torch.Tensor] = []
         released: list[torch.Tensor] = []  # small, storage released: by counter
         groups: dict[torch.device, list[int]] = {}
-        for t in found.small:
-            if fp.readable(t):
+        # each small tensor's signature (``_signatures``), as found: whether it can be read
+        # is answered from it (``_fits``) -- ``fp.readable`` asks torch six things a tensor
+        signatures = _signatures(found.small)
+        fits = (map(fp.readable, found.small) if signatures is None
+                else map(_fits, found.small, signatures))
+        kept: list[tuple] = []
+        for i, (t, readable) in enumerate(zip(found.small, fits, strict=True)):
+            if readable:
                 groups.setdefault(t.device, []).append(len(self.small))
                 self.small.append(t)
+                if signatures is not None:
+                    kept.append(signatures[i])
             elif t.layout is torch.strided and not t.is_meta:
                 released.append(t)
-        # each small tensor's (data pointer, strides, offset, (shape, dtype)), as found
-        self._signatures = _signatures(self.small)
+        self._signatures = kept if signatures is not None else None
         if self._signatures is not None:
             self.metas = [s[3] for s in self._signatures]
         else:
