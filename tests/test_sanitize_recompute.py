@@ -1110,6 +1110,25 @@ def test_a_lent_record_is_the_regions_own_when_the_layers_before_it_are_skipped(
     assert sanitizer._walks.recorded == 5  # 3 in the first step, 2 moved up in the third
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["sampled", "none"])
+def test_a_plan_that_outlives_the_walk_it_shares_makes_the_walk_again(values, reentrant):
+    """Two functions reaching no module share one kept walk (of nothing); the second, first
+    run later, keeps its record of the modules run and the plan made from it past the walk's
+    ``REWALK_ROUNDS``: the walk is made again from the plan (it raised ``UnboundLocalError``
+    out of the user's backward once -- PyTorch's nested-checkpoint tests found it)."""
+    from fixes.sanitize._reach import REWALK_ROUNDS
+
+    x = torch.randn(3, requires_grad=True)
+    with recompute_sanitizer(values=values) as sanitizer:
+        for step in range(REWALK_ROUNDS + 4):
+            y = checkpoint(lambda t: torch.sin(t) * 2, x, use_reentrant=reentrant)
+            if step >= 3:
+                y = checkpoint(lambda t: torch.cos(t) * 2, y, use_reentrant=reentrant)
+            y.sum().backward()
+    assert sanitizer._walks.walked >= 2 and not sanitizer.internal_errors
+
+
 @pytest.mark.parametrize("values", ["sampled", "none"])
 def test_a_record_is_made_again_after_a_module_is_registered(values):
     """A registration anywhere (torch's global registration hooks) may change what a

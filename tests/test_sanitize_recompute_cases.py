@@ -357,6 +357,39 @@ def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["all", "none"])
+def test_the_sanitizers_own_failure_to_find_what_a_region_reaches_leaves_it_unchecked(
+        monkeypatch, values, reentrant):
+    """A failure finding what a region reaches, when its recompute starts, is the sanitizer's:
+    a warning naming it, the region unchecked, the user's backward run on (it escaped from the
+    backward once, an ``UnboundLocalError`` PyTorch's nested-checkpoint tests found)."""
+    from fixes.sanitize import _reach
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reach failed")
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def step():
+        w.grad = None
+        x = torch.randn(4, 8, requires_grad=True)
+        checkpoint(lambda t: (t @ w).sin(), x, use_reentrant=reentrant).sum().backward()
+        return [x.grad, w.grad]
+
+    reference = _grads(step)
+    monkeypatch.setattr(_reach.Walks, "reach", broken)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with recompute_sanitizer(values=values) as sanitizer:
+            got = _grads(step)
+    assert any(issubclass(w.category, RecomputeSanitizerWarning)
+               and "reach failed" in str(w.message) for w in seen)
+    assert sanitizer.internal_errors
+    for a, b in zip(reference, got, strict=True):
+        assert torch.equal(a, b)
+
+
 # -- views in the op stream (review of the view rule) ----------------------------------------------
 
 

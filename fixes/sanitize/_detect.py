@@ -204,6 +204,16 @@ class Watch:
             return reached(roots, self.ran())
         return self._walks.reach(roots, self._fresh, self.ran, self._ran_key, self._ran)
 
+    def _new_state(self) -> State | None:
+        """What it reaches, as the recompute about to run finds it; None where finding it
+        failed: the sanitizer's own failure (a warning naming it, the region unchecked), never
+        an error out of the user's backward."""
+        try:
+            return State(self.reached())
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
     def _recording_modules(self):
         """A context recording the modules the forward runs (``_ran``), or none."""
         if self._modules_run is None:
@@ -231,7 +241,7 @@ class Watch:
     def replaying(self, fn):
         def recompute_function(*args, **kwargs):
             if not self.judged_outside:
-                self._state = State(self.reached())
+                self._state = self._new_state()
             packs = _Packs()
             failed = stopped = False
             try:
@@ -254,7 +264,7 @@ class Watch:
         self.judged_outside = True
 
         def judged_recompute(*args):
-            self._state = State(self.reached())
+            self._state = self._new_state()
             stop = None
             try:
                 recompute_fn(*args)
@@ -303,9 +313,10 @@ class Watch:
                 return out
             self.stats.recomputes += 1
             self.stats.recomputed(self.site)
-            state = State(self.reached())
+            state = self._new_state()
             out = fn(*args, **kwargs)
-            self._judge(fp.tensors(out), state, False)
+            if self.broken is None:  # else the sanitizer's own failure: unchecked
+                self._judge(fp.tensors(out), state, False)
             return out
 
         region_function.__wrapped__ = fn

@@ -486,6 +486,7 @@ class Walks:
             planned = self._planned(key, recorded, roots)
         if planned is not None:
             tensors, key, listed = planned
+            whole_modules, alone_modules = listed[:len(key[0])], listed[len(key[0]):]
         else:
             tensors, modules = _roots(roots)
             whole, alone = narrowed(modules, ran() if callable(ran) else ran,
@@ -494,7 +495,8 @@ class Walks:
                     and entry[0] is recorded:
                 entry[3] = _Plan(_roots(roots[:1])[0], whole, alone)
             key = (tuple(whole), tuple(alone))
-            listed = [*whole.values(), *alone.values()]
+            whole_modules, alone_modules = list(whole.values()), list(alone.values())
+            listed = [*whole_modules, *alone_modules]
         kept = self._kept.get(key)
         found = None
         if kept is not None and kept.holds(listed, fresh, self._round, self._registered):
@@ -502,7 +504,7 @@ class Walks:
             self.rescanned += rescanned + kept.rescanned
             kept.rescanned = 0
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
-            walked = _walk(list(whole.values()), list(alone.values()))
+            walked = _walk(whole_modules, alone_modules)
             kept = self._kept[key] = _Kept(listed, walked, self._round, self._registered,
                                            fresh)
             self.walked += 1
