@@ -328,46 +328,20 @@ def test_float8_values_do_not_crash(values):
     _same_grads(step, values)
 
 
-def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch):
-    """A failure inside the sanitizer's recording is reported as a warning; the user's forward
-    and backward run on with the gradients they have without the sanitizer."""
-    from fixes.sanitize import _fused
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("fingerprint kernel failed")
-
-    w = torch.randn(8, 8, requires_grad=True)
-
-    def step():
-        w.grad = None
-        x = torch.randn(4, 8, requires_grad=True)
-        checkpoint(lambda t: (t @ w).sin(), x, use_reentrant=False).sum().backward()
-        return [x.grad, w.grad]
-
-    reference = _grads(step)
-    monkeypatch.setattr(_fused, "prints", broken)  # the detect tier's prints
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with recompute_sanitizer() as sanitizer:
-            got = _grads(step)
-    assert any(issubclass(w.category, RecomputeSanitizerWarning)
-               and "fingerprint kernel failed" in str(w.message) for w in seen)
-    assert sanitizer.internal_errors and "the region runs unchecked" in str(seen[0].message)
-    for a, b in zip(reference, got, strict=True):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("values", ["all", "none"])
-def test_the_sanitizers_own_failure_to_find_what_a_region_reaches_leaves_it_unchecked(
-        monkeypatch, values, reentrant):
-    """A failure finding what a region reaches, when its recompute starts, is the sanitizer's:
-    a warning naming it, the region unchecked, the user's backward run on (it escaped from the
-    backward once, an ``UnboundLocalError`` PyTorch's nested-checkpoint tests found)."""
-    from fixes.sanitize import _reach
+@pytest.mark.parametrize(("part", "values"), [("fingerprint", "all"), ("reach", "all"),
+                                              ("reach", "none")])
+def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch, part, values,
+                                                                reentrant):
+    """A failure inside the sanitizer -- its fingerprint kernel, or finding what a region
+    reaches when its recompute starts -- is reported as a warning naming it; the region runs
+    unchecked and the user's forward and backward run on with the gradients they have
+    without the sanitizer (a failure finding the reach escaped from the backward once, an
+    ``UnboundLocalError`` PyTorch's nested-checkpoint tests found)."""
+    from fixes.sanitize import _fused, _reach
 
     def broken(*args, **kwargs):
-        raise RuntimeError("reach failed")
+        raise RuntimeError(f"{part} failed")
 
     w = torch.randn(8, 8, requires_grad=True)
 
@@ -378,14 +352,17 @@ def test_the_sanitizers_own_failure_to_find_what_a_region_reaches_leaves_it_unch
         return [x.grad, w.grad]
 
     reference = _grads(step)
-    monkeypatch.setattr(_reach.Walks, "reach", broken)
+    if part == "fingerprint":
+        monkeypatch.setattr(_fused, "prints", broken)  # the detect tier's prints
+    else:
+        monkeypatch.setattr(_reach.Walks, "reach", broken)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with recompute_sanitizer(values=values) as sanitizer:
             got = _grads(step)
-    assert any(issubclass(w.category, RecomputeSanitizerWarning)
-               and "reach failed" in str(w.message) for w in seen)
-    assert sanitizer.internal_errors
+    ours = [w for w in seen if issubclass(w.category, RecomputeSanitizerWarning)]
+    assert ours and f"{part} failed" in str(ours[0].message)
+    assert sanitizer.internal_errors and "the region runs unchecked" in str(ours[0].message)
     for a, b in zip(reference, got, strict=True):
         assert torch.equal(a, b)
 
