@@ -848,7 +848,8 @@ def _readable_cases():
         "expanded": torch.ones(1, 3).expand(4, 3), "bool": torch.ones(3, dtype=torch.bool),
         "bf16": torch.ones(5, dtype=torch.bfloat16), "released": released,
         "released view": released_view, "past a shrunk storage": view_past,
-        "meta": torch.empty(3, device="meta"), "parameter": torch.nn.Parameter(base.clone()),
+        "meta": torch.empty(3, device="meta"), "meta view": torch.empty(10, device="meta")[2:],
+        "parameter": torch.nn.Parameter(base.clone()),
         "subclass": torch.Tensor._make_subclass(type("Sub", (torch.Tensor,), {}), base),
     }
 
@@ -863,3 +864,23 @@ def test_a_signature_answers_readable_as_the_tensor_does(name):
     t = _readable_cases()[name]
     (signature,) = _reach._signatures([t])
     assert _reach._fits(t, signature) == fp.readable(t)
+
+
+class _Loud(torch.Tensor):
+    """A tensor subclass whose ``__torch_function__`` refuses to say where its memory is."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("data_ptr", "stride", "storage_offset",
+                                             "untyped_storage"):
+            raise ValueError(f"_Loud: {func.__name__} is not for you")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_small_subclass_tensor_is_not_asked_where_its_memory_is():
+    """A tensor subclass is no plain tensor: its values are not read (``fp.readable``), and
+    the signature read must not ask it either -- that runs its ``__torch_function__``, user
+    code (a FakeTensor warns there, this one raises; a review of c7bca23)."""
+    loud = torch.Tensor._make_subclass(_Loud, torch.zeros(3))
+    state = _reach.State([loud, torch.zeros(2)])
+    assert [t is loud for t in state.small] == [False]

@@ -1129,6 +1129,66 @@ def test_a_plan_that_outlives_the_walk_it_shares_makes_the_walk_again(values, re
     assert sanitizer._walks.walked >= 2 and not sanitizer.internal_errors
 
 
+class _Counting(torch.nn.Module):
+    def __init__(self, counting: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.counting = counting
+
+    def forward(self, h):
+        if self.counting:
+            self.calls.add_(1)  # its recompute counts again
+        return torch.tanh(self.lin(h))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("values", ["sampled", "none"])
+@pytest.mark.parametrize("held", ["a list changed in place", "a new list each step"])
+def test_what_a_function_reaches_through_a_list_is_found_anew(values, reentrant, held):
+    """A function whose closure holds a list of modules (changed in place, or a new one each
+    step whose id the old one's may be): its identity is the same while the modules it
+    reaches are not. Planned once (what it reached kept per identity), the module put in at
+    the third step, whose forward counts its calls, went unseen (a review of 628638c)."""
+    a, b = _Counting(False), _Counting(True)
+    chosen = [a]
+
+    def run_inplace(h):
+        for m in chosen:
+            h = m(h)
+        return h
+
+    def make(mods):
+        def run(h):
+            for m in mods:
+                h = m(h)
+            return h
+        return run
+
+    with pytest.raises(RecomputeMismatchError, match=r"calls"), \
+            recompute_sanitizer(values=values):
+        for step in range(4):
+            pick = a if step < 2 else b
+            chosen[0] = pick
+            fn = run_inplace if held == "a list changed in place" else make([pick])
+            checkpoint(fn, torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=reentrant).sum().backward()
+
+
+@pytest.mark.parametrize("values", ["all", "sampled", "none"])
+def test_a_meta_view_a_region_reaches_is_left_unread(values):
+    """A meta tensor at an offset has a data pointer of its offset and a storage of its bytes:
+    read from its signature as readable, its snapshot went to the device "meta" and the
+    backward's flush raised out of the user's backward (a review of c7bca23)."""
+    lin = torch.nn.Linear(4, 4)
+    lin.register_buffer("placeholder", torch.empty(10, device="meta")[2:])
+    with recompute_sanitizer(values=values) as sanitizer:
+        for _ in range(2):
+            checkpoint(lin, torch.randn(2, 4, requires_grad=True),
+                       use_reentrant=False).sum().backward()
+    assert not sanitizer.internal_errors
+
+
 @pytest.mark.parametrize("values", ["sampled", "none"])
 def test_a_record_is_made_again_after_a_module_is_registered(values):
     """A registration anywhere (torch's global registration hooks) may change what a

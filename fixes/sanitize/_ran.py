@@ -47,7 +47,8 @@ _VALUES = (type(None), bool, int, float, str, bytes)  # compared by value, not b
 
 
 def _part(obj) -> object:
-    return obj if type(obj) in _VALUES else id(obj)
+    kind = type(obj)
+    return (kind, obj) if kind in _VALUES else id(obj)  # 1, 1.0 and True told apart
 
 
 def _cell(cell) -> object:
@@ -79,9 +80,9 @@ def identity(fn, args=(), kwargs=None) -> tuple:
                tuple((k, _part(v)) for k, v in fn.keywords.items()))
     else:
         key = id(fn)
-    plain = tuple(a for a in args if type(a) in _VALUES)
+    plain = tuple((type(a), a) for a in args if type(a) in _VALUES)
     if kwargs:
-        plain += tuple((k, v) for k, v in kwargs.items() if type(v) in _VALUES)
+        plain += tuple((k, type(v), v) for k, v in kwargs.items() if type(v) in _VALUES)
     return key, plain
 
 

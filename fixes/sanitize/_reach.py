@@ -421,7 +421,6 @@ class Walks:
         self._ran[key] = [refs, self._round, self._registered, None]  # its ``_Plan``: reach's
         self.recorded += 1
 
-
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         """Counts every parameter, buffer and submodule registered in the process (torch's
@@ -460,7 +459,7 @@ class Walks:
         made with the record ``recorded`` (``_Plan``), or None: none, or something in it
         freed."""
         entry = self._ran.get(key)
-        if entry is None or entry[0] is not recorded or entry[3] is None:
+        if entry is None or entry[0] is not recorded or not isinstance(entry[3], _Plan):
             return None
         plan = entry[3]
         listed = list(map(_CALL, plan.listed))
@@ -485,19 +484,22 @@ class Walks:
         if plannable:
             planned = self._planned(key, recorded, roots)
         if planned is not None:
-            tensors, key, listed = planned
-            whole_modules, alone_modules = listed[:len(key[0])], listed[len(key[0]):]
+            tensors, walk_key, listed = planned
+            whole_modules, alone_modules = (listed[:len(walk_key[0])],
+                                            listed[len(walk_key[0]):])
         else:
             tensors, modules = _roots(roots)
             whole, alone = narrowed(modules, ran() if callable(ran) else ran,
                                     lambda m: self._tree(m, fresh))
             if plannable and (entry := self._ran.get(key)) is not None \
-                    and entry[0] is recorded:
-                entry[3] = _Plan(_roots(roots[:1])[0], whole, alone)
-            key = (tuple(whole), tuple(alone))
+                    and entry[0] is recorded and entry[3] is None:
+                mutable = [False]
+                found_through = _roots(roots[:1], mutable)[0]
+                entry[3] = _UNPLANNED if mutable[0] else _Plan(found_through, whole, alone)
+            walk_key = (tuple(whole), tuple(alone))
             whole_modules, alone_modules = list(whole.values()), list(alone.values())
             listed = [*whole_modules, *alone_modules]
-        kept = self._kept.get(key)
+        kept = self._kept.get(walk_key)
         found = None
         if kept is not None and kept.holds(listed, fresh, self._round, self._registered):
             found, rescanned = kept.read()
@@ -505,8 +507,8 @@ class Walks:
             kept.rescanned = 0
         if found is None:  # a fresh walk answers from itself: nothing of it to read back
             walked = _walk(whole_modules, alone_modules)
-            kept = self._kept[key] = _Kept(listed, walked, self._round, self._registered,
-                                           fresh)
+            kept = self._kept[walk_key] = _Kept(listed, walked, self._round,
+                                                self._registered, fresh)
             self.walked += 1
             found = Reached.of(list({id(t): t for _, ts, _ in walked for t in ts}.values()))
         if tensors:  # the region's own tensors (its inputs), less those the walk found
@@ -541,11 +543,13 @@ def _signatures(tensors: list[torch.Tensor]) -> list[tuple] | None:
 
 def _fits(t: torch.Tensor, signature: tuple) -> bool:
     """``fp.readable(t)`` from its signature (``_signatures``), with no call into torch: a plain
-    tensor with memory (a meta tensor's data pointer, and that of a released storage at
-    offset 0, is 0), elements, and a storage holding every one of them."""
+    tensor with memory (a meta tensor's storage, and a released one, has a null base: its
+    data pointer is its offset's bytes -- a meta view at an offset read as readable raised
+    out of the backward's flush, a review of c7bca23), elements, and a storage holding every
+    one of them."""
     pointer, strides, offset, (shape, dtype), nbytes = signature
-    if pointer == 0 or type(t) not in _PLAIN_TYPES:
-        return False
+    if pointer == offset * dtype.itemsize or type(t) not in _PLAIN_TYPES:
+        return False  # no memory: the storage's base pointer is null
     extent = offset + 1
     for size, stride in zip(shape, strides, strict=True):
         if size == 0:
@@ -554,13 +558,21 @@ def _fits(t: torch.Tensor, signature: tuple) -> bool:
     return extent * dtype.itemsize <= nbytes
 
 
+_UNPLANNED = False  # a record's plan slot where the function reaches through something mutable
+
+
 class _Plan:
     """What a region identity's function reaches, made once per record of the modules its
-    forward ran (``Walks.ran``): the plain tensors found through it (``_roots``: its closure,
-    defaults, the globals it names), and its modules narrowed to those the forward ran --
-    the kept walk's key and modules. Taken as its own by every region of that identity while
-    the record holds (found through its closure each region, with the narrowing, it was a
-    fifth of ``values="none"``'s Python calls a region on megatron's MoE). Held weakly."""
+    forward ran (``Walks.ran``): the plain tensors found through it (``_roots``: its closure
+    and defaults), and its modules narrowed to those the forward ran -- the kept walk's key
+    and modules. Taken as its own by every region of that identity while the record holds
+    (found through its closure each region, with the narrowing, it was a fifth of
+    ``values="none"``'s Python calls a region on megatron's MoE). Made only for a function
+    that reaches them through nothing that can hold other objects while it stays the same
+    object (a list, dict or partial, a nested function, a global: ``_roots``'s ``mutable``):
+    the identity reads the function's own cells and defaults, so it changes where they do;
+    through a list changed in place, a planned function kept reaching the module taken out
+    (a review of 628638c). Held weakly."""
 
     __slots__ = ("tensors", "listed", "walk_key")
 
@@ -602,8 +614,13 @@ def _tensor(tensors: dict, t: torch.Tensor) -> None:
         tensors.setdefault(id(t), t)
 
 
-def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
-    """The tensors and modules among ``roots``, their closures, partials and containers."""
+def _roots(roots, mutable: list | None = None,
+           ) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
+    """The tensors and modules among ``roots``, their closures, partials and containers.
+    ``mutable``: a list, set to ``[True]`` where what was found came through something that
+    can hold other objects later while it stays the same object -- a list, dict or partial,
+    a nested function's closure (its cells can be rebound), a global -- so finding it again
+    can find other things (``_Plan`` is made only where nothing did)."""
     tensors: dict[int, torch.Tensor] = {}
     modules: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()  # containers and callables walked already
@@ -622,19 +639,27 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
         elif depth > 2 or id(obj) in seen:
             return
         elif isinstance(obj, (list, tuple)):
+            if mutable is not None and kind is not tuple:
+                mutable[:] = [True]
             seen.add(id(obj))
             for x in obj[:_WIDE]:
                 visit(x, depth + 1)
         elif isinstance(obj, dict):
+            if mutable is not None:
+                mutable[:] = [True]
             seen.add(id(obj))
             for x in list(obj.values())[:_WIDE]:
                 visit(x, depth + 1)
         elif isinstance(obj, functools.partial):
+            if mutable is not None:
+                mutable[:] = [True]
             seen.add(id(obj))
             visit(obj.func, depth + 1)
             visit(obj.args, depth + 1)
             visit(obj.keywords, depth + 1)
         elif callable(obj):
+            if mutable is not None and depth > 0:
+                mutable[:] = [True]
             seen.add(id(obj))
             visit(getattr(obj, "__self__", None), depth + 1)
             for cell in getattr(obj, "__closure__", None) or ():
@@ -652,6 +677,8 @@ def _roots(roots) -> tuple[dict[int, torch.Tensor], dict[int, torch.nn.Module]]:
                 for name in code.co_names:
                     value = names.get(name)
                     if isinstance(value, (torch.Tensor, torch.nn.Module, dict, list)):
+                        if mutable is not None:
+                            mutable[:] = [True]
                         visit(value, depth + 1)
 
     for root in roots:
@@ -890,7 +917,8 @@ class State:
         groups: dict[torch.device, list[int]] = {}
         # each small tensor's signature (``_signatures``), as found: whether it can be read
         # is answered from it (``_fits``) -- ``fp.readable`` asks torch six things a tensor
-        signatures = _signatures(found.small)
+        signatures = (_signatures(found.small)  # a subclass's would run its own code
+                      if set(map(type, found.small)) <= _PLAIN_TYPES else None)
         fits = (map(fp.readable, found.small) if signatures is None
                 else map(_fits, found.small, signatures))
         kept: list[tuple] = []
