@@ -1129,19 +1129,6 @@ def test_a_plan_that_outlives_the_walk_it_shares_makes_the_walk_again(values, re
     assert sanitizer._walks.walked >= 2 and not sanitizer.internal_errors
 
 
-class _Counting(torch.nn.Module):
-    def __init__(self, counting: bool):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.register_buffer("calls", torch.zeros(()))
-        self.counting = counting
-
-    def forward(self, h):
-        if self.counting:
-            self.calls.add_(1)  # its recompute counts again
-        return torch.tanh(self.lin(h))
-
-
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("values", ["sampled", "none"])
 @pytest.mark.parametrize("held", ["a list changed in place", "a new list each step"])
@@ -1150,7 +1137,7 @@ def test_what_a_function_reaches_through_a_list_is_found_anew(values, reentrant,
     step whose id the old one's may be): its identity is the same while the modules it
     reaches are not. Planned once (what it reached kept per identity), the module put in at
     the third step, whose forward counts its calls, went unseen (a review of 628638c)."""
-    a, b = _Counting(False), _Counting(True)
+    a, b = torch.nn.Linear(8, 8), _Layer()  # b counts its calls
     chosen = [a]
 
     def run_inplace(h):

@@ -139,13 +139,16 @@ def readable(t: torch.Tensor) -> bool:
         nbytes = t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return False
-    if t.is_contiguous():
-        extent = t.storage_offset() + t.numel()
-    else:
-        extent = t.storage_offset() + 1
-        for size, stride in zip(t.shape, t.stride(), strict=True):
-            extent += (size - 1) * abs(stride)
-    return extent * t.element_size() <= nbytes
+    return extent(t.shape, t.stride(), t.storage_offset()) * t.element_size() <= nbytes
+
+
+def extent(shape, strides, offset: int) -> int:
+    """One past the last element a tensor of this shape, strides and storage offset reads, in
+    elements from its storage's start (a tensor with an element)."""
+    end = offset + 1
+    for size, stride in zip(shape, strides, strict=True):
+        end += (size - 1) * abs(stride)
+    return end
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

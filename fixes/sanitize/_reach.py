@@ -550,12 +550,9 @@ def _fits(t: torch.Tensor, signature: tuple) -> bool:
     pointer, strides, offset, (shape, dtype), nbytes = signature
     if pointer == offset * dtype.itemsize or type(t) not in _PLAIN_TYPES:
         return False  # no memory: the storage's base pointer is null
-    extent = offset + 1
-    for size, stride in zip(shape, strides, strict=True):
-        if size == 0:
-            return False
-        extent += (size - 1) * abs(stride)
-    return extent * dtype.itemsize <= nbytes
+    if 0 in shape:
+        return False
+    return fp.extent(shape, strides, offset) * dtype.itemsize <= nbytes
 
 
 _UNPLANNED = False  # a record's plan slot where the function reaches through something mutable

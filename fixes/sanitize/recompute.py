@@ -386,10 +386,9 @@ class RecomputeSanitizer:
                     out = original(ctx, region.function(run_function), *args)
             else:
                 return original(ctx, region.function(run_function), *args)
-            if unreached:
-                error = never_recomputed_error(region.name(), roots, ran)
-                if error is not None:
-                    raise error
+            error = never_recomputed_error(region.name(), roots, ran)  # unreached, here
+            if error is not None:
+                raise error
             return out
 
         return staticmethod(forward)
