@@ -11,7 +11,9 @@ ci/gpu_offline.sh TARGET ...`` does both)::
 Every step's output goes into ``steps.log`` under ``--out`` (one section per step, headed by its
 command, exit status and seconds), and at most one JSON of its own beside it; ``run.json``
 records the commit, each step's exact command, exit status and seconds, so an evidence README
-names the runner, its arguments and that file. ``--parallel`` starts every step at once but
+names the runner, its arguments and that file. ``--parallel`` starts the steps side by side, as
+many at once as the card's memory holds (each step declares what it holds, ``Step.gib``: all of
+the refresh's memory sessions at once fit the H200 and ran an 80 GB H100 out of memory), but
 those marked ``alone`` (whose figures are times), which run first, one at a time, on the host as
 the call found it: after the side-by-side sessions the H200's host-bound steps ran up to 2.5x
 slower and noisier than on a fresh machine (the sanitizer benchmark's unsanitized steps, three
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +49,11 @@ CALL_SECONDS = 600  # one device call's limit: refresh-times' step limits, set-u
 # started together): its step times measure the other sessions' work too, so a time gate skips
 # there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone before them.
 SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
+# the card's memory in GiB where nvidia-smi is not to be asked (tests; a card shared by others)
+DEVICE_GIB = "STACKFIX_GPU_GIB"
+# what the sessions started together may hold of the card's memory: the rest is the CUDA
+# contexts' and the caching allocators' slack
+DEVICE_SHARE = 0.9
 # every step's environment: "<runner pid>:<step>", how what it leaves running is found
 STEP_MARK = "STACKFIX_GPU_STEP"
 PYTEST = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
@@ -58,7 +66,14 @@ MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
 # the benchmark files (benchmarks/test_bench_<name>.py) of the checkpointed stack: with
 # megatron_scale, sanitize and fused_print (kernel times: alone), every benchmark file the
 # refresh target runs
-STACK_FAMILIES = ("activation_checkpoint", "backward_threads", "output_discard", "reclaim")
+# refresh runs; with the device memory each session holds at most (GiB: its largest peak_bytes
+# on the H100 at 68d0102 -- 5.8, 2.1, 22.1, 0.1 -- with the allocator's slack and a context)
+STACK_FAMILIES = {"activation_checkpoint": 8, "backward_threads": 4, "output_discard": 26,
+                  "reclaim": 2}
+# a megatron-scale child's device memory by size (GiB; benchmarks._children: ~12 and ~4 on the
+# H200), and the children a session sharing the GPU runs together (benchmarks._children.AT_ONCE)
+MEGATRON_CHILD_GIB = {"1024x2048": 4, "2048x4096": 12}
+AT_ONCE = 2
 
 
 @dataclass
@@ -70,6 +85,10 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     # a step whose figures are times: under --parallel it still runs alone, before the others
     alone: bool = False
+    # device memory the step holds at most (GiB), children included: under --parallel a step
+    # starts only once it fits beside those running (the refresh's memory sessions held ~130
+    # GiB together: on an 80 GB H100 NCCL's set-up ran out of memory in most megatron cells)
+    gib: float = 0.0
 
 
 def _cell_args(*cells: str) -> list[str]:
@@ -104,7 +123,8 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
             f"({select}) and {size}", "-p", "no:xdist", "-q",
             f"--benchmark-json={o(f'bench-gpu-megatron-{model}-{size}.json')}"],
-            330, json=f"bench-gpu-megatron-{model}-{size}.json")
+            330, json=f"bench-gpu-megatron-{model}-{size}.json",
+            gib=MEGATRON_CHILD_GIB[size] * AT_ONCE)
           for model, select in (("moe", "moe- and not kept and not ep2"),
                                 ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
           for size in ("1024x2048", "2048x4096")),
@@ -115,8 +135,9 @@ def _steps(out: str) -> dict[str, list[Step]]:
         *(Step(f"bench-gpu-{name.replace('_', '-')}", [
             *PYTEST, f"benchmarks/test_bench_{name}.py", "-m", "gpu", "-p", "no:xdist", "-v",
             "-o", "faulthandler_timeout=120",
-            f"--benchmark-json={o(f'bench-gpu-{name}.json')}"], 330, json=f"bench-gpu-{name}.json")
-          for name in STACK_FAMILIES),
+            f"--benchmark-json={o(f'bench-gpu-{name}.json')}"], 330, json=f"bench-gpu-{name}.json",
+            gib=gib)
+          for name, gib in STACK_FAMILIES.items()),
     ]
     return {
         # the whole gpu suite and the skip audit; the GPU main job
@@ -294,14 +315,50 @@ def _commit() -> str:
         return "unknown"
 
 
-def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
+def _device_gib() -> float | None:
+    """The card's memory in GiB (``DEVICE_GIB``, else the smallest card nvidia-smi lists), or
+    None where neither says (no limit)."""
+    if os.environ.get(DEVICE_GIB):
+        try:
+            return float(os.environ[DEVICE_GIB])
+        except ValueError:
+            raise ValueError(f"{DEVICE_GIB}={os.environ[DEVICE_GIB]!r}: expected the card's "
+                             "memory in GiB, e.g. 80") from None
+    if shutil.which("nvidia-smi") is None:
+        return None
+    r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True, check=False)
+    mib = [float(x) for x in r.stdout.split()] if r.returncode == 0 else []
+    return min(mib) / 1024 if mib else None
+
+
+def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None) -> list[dict]:
     """The steps one after another, or (``parallel``) those that run ``alone`` first, one at a
-    time, then all the others started at once; their records in the order given."""
+    time, then the others side by side, each started once what it holds (``Step.gib``) fits
+    beside those running in ``DEVICE_SHARE`` of the card's ``gib`` (None: all at once); their
+    records in the order given."""
     records: dict[int, dict] = {}
     running = {}
     together = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
     alone = [i for i in range(len(steps)) if i not in together]
-    for n, i in enumerate(alone + together):
+    budget = None if gib is None else gib * DEVICE_SHARE
+
+    def reap() -> None:
+        """Wait for one running step to end; record it."""
+        while True:
+            for j, (step_j, proc_j, log_j, start_j, mark_j, extra_j) in list(running.items()):
+                if proc_j.poll() is not None:  # its own end, not when it was waited for
+                    left = _kill_left(mark_j)
+                    if left:
+                        log_j.write("\n[ci/gpu_run.py] left running after the step, killed: "
+                                    + "; ".join(left) + "\n")
+                    records[j] = {**_record(step_j, proc_j.returncode, log_j, start_j),
+                                  "left_running": left, **extra_j}
+                    del running[j]
+                    return
+            time.sleep(0.2)
+
+    def start(i: int) -> None:
         step = steps[i]
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
         env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
@@ -312,18 +369,24 @@ def _run(steps: list[Step], out: Path, parallel: bool) -> list[dict]:
         proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
         running[i] = (step, proc, log, time.monotonic(), env[STEP_MARK], extra)
-        wait = not parallel or i in alone or n == len(steps) - 1  # the last together: all
-        while running and wait:
-            for j, (step_j, proc_j, log_j, start_j, mark_j, extra_j) in list(running.items()):
-                if proc_j.poll() is not None:  # its own end, not when it was waited for
-                    left = _kill_left(mark_j)
-                    if left:
-                        log_j.write("\n[ci/gpu_run.py] left running after the step, killed: "
-                                    + "; ".join(left) + "\n")
-                    records[j] = {**_record(step_j, proc_j.returncode, log_j, start_j),
-                                  "left_running": left, **extra_j}
-                    del running[j]
-            time.sleep(0.2)
+
+    def fits(i: int) -> bool:
+        held = sum(r[0].gib for r in running.values())
+        return budget is None or not running or held + steps[i].gib <= budget
+
+    for i in alone if parallel else together:  # one at a time
+        start(i)
+        reap()
+    waiting = list(together) if parallel else []
+    while waiting:  # the first that fits, in the order given; else wait for room
+        i = next((i for i in waiting if fits(i)), None)
+        if i is None:
+            reap()
+        else:
+            waiting.remove(i)
+            start(i)
+    while running:
+        reap()
     return [records[i] for i in range(len(steps))]
 
 
@@ -402,11 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    records = _run(chosen, out, args.parallel)
+    gib = _device_gib() if args.parallel else None
+    records = _run(chosen, out, args.parallel, gib)
     _fold_logs(records, out)
     (out / "run.json").write_text(json.dumps(
         {"commit": _commit(), "started": started, "targets": args.targets,
-         "parallel": args.parallel, "steps": records}, indent=1))
+         "parallel": args.parallel, "device_gib": gib, "steps": records}, indent=1))
     return 0 if all(r["exit"] == 0 for r in records) else 1
 
 

@@ -155,3 +155,51 @@ def test_what_a_step_leaves_running_is_killed_when_it_ends_and_named_in_its_reco
     assert "left running after the step, killed" in (tmp_path / "out" / "steps.log").read_text()
     # the host's load when a step that times started (a quiet machine reads near 0)
     assert isinstance(timed["load_at_start"], float) and "load_at_start" not in leaves
+
+
+def test_under_parallel_the_sessions_started_together_fit_the_cards_memory(tmp_path, monkeypatch):
+    # The refresh's memory sessions side by side held ~130 GiB: they fit the H200 and ran an
+    # H100 (80 GB) out of memory -- NCCL's set-up failed in most megatron cells (68d0102). A
+    # session waits until what the running ones hold and its own fit the card.
+    marks = tmp_path / "marks"
+
+    def step(name, seconds, gib):
+        script = f"echo {name}-start >> {marks}; sleep {seconds}; echo {name}-end >> {marks}"
+        return gpu_run.Step(name, ["sh", "-c", script], 30, gib=gib)
+
+    steps = [step("a", 1.5, 6), step("b", 0.1, 6), step("c", 0.1, 3)]
+    monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
+    monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
+    monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setenv(gpu_run.DEVICE_GIB, "10")
+    monkeypatch.setattr(gpu_run, "REPO", tmp_path)
+    assert gpu_run.main(["--out", str(tmp_path / "out"), "--parallel", "t"]) == 0
+    order = marks.read_text().split()
+    # a and c together (6 + 3 <= 10); b only once a has ended (6 + 6 > 10)
+    assert order.index("b-start") > order.index("a-end")
+    assert order.index("c-start") < order.index("a-end")
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["device_gib"] == 10.0
+    assert [r["name"] for r in record["steps"]] == ["a", "b", "c"]
+    # a session larger than the card alone still runs (alone), rather than never
+    steps[:] = [step("huge", 0.1, 50), step("d", 0.1, 1)]
+    (tmp_path / "marks").unlink()
+    assert gpu_run.main(["--out", str(tmp_path / "out2"), "--parallel", "t"]) == 0
+    assert marks.read_text().split() == ["huge-start", "huge-end", "d-start", "d-end"]
+
+
+def test_the_card_memory_is_read_from_nvidia_smi_or_the_variable(monkeypatch):
+    monkeypatch.setenv(gpu_run.DEVICE_GIB, "80")
+    assert gpu_run._device_gib() == 80.0
+    monkeypatch.setenv(gpu_run.DEVICE_GIB, "eighty")
+    with pytest.raises(ValueError, match=f"{gpu_run.DEVICE_GIB}='eighty'"):
+        gpu_run._device_gib()
+    monkeypatch.delenv(gpu_run.DEVICE_GIB)
+    monkeypatch.setattr(gpu_run.shutil, "which", lambda name: None)
+    assert gpu_run._device_gib() is None  # no GPU tool here: no limit
+    # every memory session of the refresh declares what it holds, its megatron children as
+    # many as a session sharing the GPU runs together
+    memory = gpu_run._steps("OUT")["refresh-memory"]
+    assert all(s.gib > 0 for s in memory)
+    children = pytest.importorskip("benchmarks._children")
+    assert gpu_run.AT_ONCE == children.AT_ONCE
