@@ -406,6 +406,17 @@ def _kill_left(mark: str) -> list[str]:
         except (OSError, ValueError):  # gone meanwhile, or not ours to read
             continue
         left.append(f"{proc.name} {command}")
+    # gone before the next step starts (a SIGKILLed process still ran for a moment)
+    deadline = time.monotonic() + 5
+    for entry in left:
+        stat = Path(f"/proc/{entry.split(' ', 1)[0]}/stat")
+        while time.monotonic() < deadline:
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except (OSError, IndexError):
+                break
+            time.sleep(0.01)
     return left
 
 
