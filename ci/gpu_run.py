@@ -42,11 +42,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # ci/ is no package; benchmarks._children is standard library only
+from benchmarks._children import AT_ONCE  # noqa: E402
+
 PY = "python3"
 MAX_FILES = 8  # what one device call brings back
 CALL_SECONDS = 600  # one device call's limit: refresh-times' step limits, set-up aside, fit it
 # Set in the environment of a step started beside others under --parallel (the number of steps
-# started together): its step times measure the other sessions' work too, so a time gate skips
+# the call runs side by side; fewer may hold the card at once where its memory is the limit,
+# Step.gib): its step times measure the other sessions' work too, so a time gate skips
 # there (benchmarks/test_bench_megatron_scale.py) and the target runs it alone before them.
 SHARED_GPU = "STACKFIX_GPU_SHARED_BY"
 # the card's memory in GiB where nvidia-smi is not to be asked (tests; a card shared by others)
@@ -65,15 +69,14 @@ RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.
 MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
 # the benchmark files (benchmarks/test_bench_<name>.py) of the checkpointed stack: with
 # megatron_scale, sanitize and fused_print (kernel times: alone), every benchmark file the
-# refresh target runs
-# refresh runs; with the device memory each session holds at most (GiB: its largest peak_bytes
-# on the H100 at 68d0102 -- 5.8, 2.1, 22.1, 0.1 -- with the allocator's slack and a context)
+# refresh target runs; each with the device memory its session holds at most (GiB: its largest
+# peak_bytes on the H100 at 68d0102 -- 5.8, 2.1, 22.1, 0.1 -- with the allocator's slack and a
+# context)
 STACK_FAMILIES = {"activation_checkpoint": 8, "backward_threads": 4, "output_discard": 26,
                   "reclaim": 2}
 # a megatron-scale child's device memory by size (GiB; benchmarks._children: ~12 and ~4 on the
-# H200), and the children a session sharing the GPU runs together (benchmarks._children.AT_ONCE)
+# H200); a session sharing the GPU runs AT_ONCE of them together
 MEGATRON_CHILD_GIB = {"1024x2048": 4, "2048x4096": 12}
-AT_ONCE = 2
 
 
 @dataclass

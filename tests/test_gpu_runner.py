@@ -203,3 +203,6 @@ def test_the_card_memory_is_read_from_nvidia_smi_or_the_variable(monkeypatch):
     assert all(s.gib > 0 for s in memory)
     children = pytest.importorskip("benchmarks._children")
     assert gpu_run.AT_ONCE == children.AT_ONCE
+    megatron = [s for s in memory if "megatron" in s.name]
+    assert {s.gib for s in megatron} == {g * children.AT_ONCE
+                                         for g in gpu_run.MEGATRON_CHILD_GIB.values()}
