@@ -83,6 +83,18 @@ def _mode(name: str):
     return recompute_sanitizer(values=MODES[name])
 
 
+def _fresh_moe_metrics() -> None:
+    """Megatron's MoE metrics tracker dropped before a build: it is process-global and sizes
+    its per-layer tensors by the first model that records (megatron-core 0.19), so a deeper
+    model built after it fails in the router's z-loss record (``IndexError: index 15 is out of
+    bounds for dimension 0 with size 4``: ``sanitizer_host_time --layers 4,16``)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # an older megatron-core: no such tracker
+        return
+    destroy_moe_metrics_tracker()
+
+
 def cell_step(model: str, device: str, hidden: int, seq: int, dtype: str, *,
               aux_loss: float = 0.0, recompute: str = "full", layers: int = 4):
     """(the model, its step): one training step of the cell (``layers`` transformer layers)
@@ -98,6 +110,7 @@ def cell_step(model: str, device: str, hidden: int, seq: int, dtype: str, *,
         from fixes.testing.megatron_cpu import install_megatron_cpu_moe_shim
 
         install_megatron_cpu_moe_shim()
+    _fresh_moe_metrics()
     gpt = _build(model, "allgather", hidden, seq, dtype, device, aux_loss_coeff=aux_loss,
                  recompute=recompute, layers=layers)
     g = torch.Generator().manual_seed(0)

@@ -82,7 +82,7 @@ def _kernels(fn, device: str) -> int | None:
 
 
 def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int,
-            sweep: bool = False) -> dict:
+            sweep: bool = False, stages: bool = False) -> dict:
     import torch
 
     from fixes.sanitize import _detect, _fused
@@ -112,6 +112,8 @@ def measure(hidden: int, seq: int, dtype: str, device: str, repeats: int,
     result["kernel_failed"] = list(_fused.FAILED)
     if sweep:
         result["sweep"] = launch_sweep(kept, sync, repeats)
+    if stages:
+        result["host_stages"] = host_stages(kept, repeats)
     if device == "cuda":
         got, _ = _fused.prints(side)
         want, _ = _fused.prints([None if t is None else t.cpu() for t in side])
@@ -150,6 +152,84 @@ def launch_sweep(kept: list, sync, repeats: int) -> list[dict]:
     return out
 
 
+def host_stages(kept: list, repeats: int, sizes=(1, 4, 32)) -> list[dict]:
+    """Per side of the first ``k`` tensors of ``kept`` (``k`` in ``sizes``): the median host
+    microseconds a call of each stage of ``_fused.prints`` takes (the table built, pinned,
+    copied to the device, the kernel launched, the results' rows made; the whole call), and
+    of the alternatives to the pinned copy and the rows (a preallocated pinned buffer filled
+    through numpy and copied; the results compared whole, one op per column). Each figure:
+    the median over ``repeats`` batches of 20 calls, the device synchronised between
+    batches."""
+    import torch
+
+    from fixes.sanitize import _fused
+
+    cuda = kept[0].device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    kernel = _fused._triton() if cuda else _fused._interpreted()
+    staging = torch.zeros(1 << 16, dtype=torch.int64, pin_memory=cuda)
+    out = []
+    for k in sizes:
+        stages = _side_stages(kept[:k], cuda, kernel, staging)
+        row = {"tensors": k}
+        for name, fn in stages.items():
+            if fn is None:
+                continue
+            fn()
+            batches = []
+            for _ in range(repeats):
+                sync()
+                t = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                batches.append((time.perf_counter() - t) / 20)
+            row[f"{name}_us"] = statistics.median(batches) * 1e6
+        sync()
+        out.append(row)
+    return out
+
+
+def _side_stages(side: list, cuda: bool, kernel, staging) -> dict:
+    """``host_stages``'s stages of one side: name -> a call (None: not on this device)."""
+    import torch
+
+    from fixes.sanitize import _fused
+
+    device = side[0].device
+    real = [_fused._real(t) for t in side]
+    summed = [r.dtype in _fused._KIND for r in real]
+    host, programs, _ = _fused._table(real, summed, _fused.CHUNK)
+    rows_list = host.tolist()
+    pinned = host.pin_memory() if cuda else host
+    buf = pinned.to(device, non_blocking=True)
+    n = len(real)
+    out_at = n * _fused.NCOL + programs
+    res = buf[out_at:].view(n, _fused.NOUT)
+    other = res.clone()
+    warps = {"num_warps": _fused.NUM_WARPS} if cuda else {}
+
+    def launch():
+        kernel[(programs,)](buf, n * _fused.NCOL, out_at, CHUNK=_fused.CHUNK,
+                            BLOCK=_fused.BLOCK, **warps)
+
+    def staged():
+        view = staging[:len(rows_list)]
+        view.numpy()[:] = rows_list
+        torch.empty(len(rows_list), dtype=torch.int64, device=device).copy_(
+            view, non_blocking=True)
+
+    return {
+        "table": lambda: _fused._table(real, summed, _fused.CHUNK),
+        "pin": (lambda: host.pin_memory()) if cuda else None,
+        "h2d": lambda: pinned.to(device, non_blocking=True),
+        "staged_h2d": staged if cuda else None,
+        "launch": launch,
+        "rows": lambda: _fused._rows(res[:, :2], res[:, 2:].view(torch.float64), summed),
+        "compare_whole": lambda: (res[:, 0] != other[:, 0]).any(),
+        "prints": lambda: _fused.prints(side, tolerant=True),
+    }
+
+
 def by_dtype(stdout: str, dtypes: tuple[str, ...]) -> dict[str, dict]:
     """A child's ``FUSED-PRINT`` line read back: one result per dtype, in the order asked
     (ValueError without the line, or with another count)."""
@@ -168,17 +248,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--sweep", action="store_true",
                    help="also time the fused kernel under each launch shape of SWEEP (CUDA)")
+    p.add_argument("--host-stages", action="store_true",
+                   help="also time the host's stages of one side's print (host_stages)")
     args = p.parse_args(argv)
     if args.sweep and args.device != "cuda":
         p.error("--sweep times the Triton kernel's launch shapes: CUDA only")
     hidden, seq = (int(v) for v in args.size.split("x"))
-    results = [measure(hidden, seq, d, args.device, args.repeats, args.sweep)
-               for d in args.dtypes.split(",")]
+    results = [measure(hidden, seq, d, args.device, args.repeats, args.sweep,
+                       args.host_stages) for d in args.dtypes.split(",")]
     for r in results:
         for row in r.get("sweep", []):
             print(f"SWEEP {r['dtype']} chunk {row['chunk']:6d} block {row['block']:4d} warps "
                   f"{row['num_warps']:2d}: {row['ms']:7.3f} ms  equal {row['equal']}",
                   flush=True)
+        for row in r.get("host_stages", []):
+            print(f"HOST-STAGES {r['dtype']} " + ", ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                flush=True)
     print("FUSED-PRINT " + json.dumps(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
