@@ -139,8 +139,7 @@ def launch_sweep(kept: list, sync, repeats: int) -> list[dict]:
     device = real[0].device
 
     def exact(shape):
-        rows = _fused._launch(real, summed, device, *shape)
-        return [int(r[0]) for r in rows]
+        return _fused._launch(real, summed, device, *shape)[:, 0].tolist()
 
     want = exact((_fused.CHUNK, _fused.BLOCK, _fused.NUM_WARPS))
     out = []
@@ -155,9 +154,10 @@ def launch_sweep(kept: list, sync, repeats: int) -> list[dict]:
 def host_stages(kept: list, repeats: int, sizes=(1, 4, 32)) -> list[dict]:
     """Per side of the first ``k`` tensors of ``kept`` (``k`` in ``sizes``): the median host
     microseconds a call of each stage of ``_fused.prints`` takes (the table built, pinned,
-    copied to the device, the kernel launched, the results' rows made; the whole call), and
-    of the alternatives to the pinned copy and the rows (a preallocated pinned buffer filled
-    through numpy and copied; the results compared whole, one op per column). Each figure:
+    copied to the device, the kernel launched; the whole side as the detect tier keeps it,
+    ``side_prints``; and with a ``Print`` made per tensor, ``prints``), and of the
+    alternatives to the pinned copy (a preallocated pinned buffer filled through numpy and
+    copied) and of a whole side's comparison (one op per column). Each figure:
     the median over ``repeats`` batches of 20 calls, the device synchronised between
     batches."""
     import torch
@@ -224,8 +224,8 @@ def _side_stages(side: list, cuda: bool, kernel, staging) -> dict:
         "h2d": lambda: pinned.to(device, non_blocking=True),
         "staged_h2d": staged if cuda else None,
         "launch": launch,
-        "rows": lambda: _fused._rows(res[:, :2], res[:, 2:].view(torch.float64), summed),
         "compare_whole": lambda: (res[:, 0] != other[:, 0]).any(),
+        "side": lambda: _fused.side_prints(side, tolerant=True),
         "prints": lambda: _fused.prints(side, tolerant=True),
     }
 

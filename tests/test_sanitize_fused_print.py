@@ -149,6 +149,58 @@ def test_no_print_for_none_an_empty_or_a_released_tensor():
 
 
 @pytest.mark.cpu
+def test_two_sides_are_compared_whole_only_where_both_read_a_tensor():
+    """``columns``: the exact prints of the tensors both sides printed, as two columns (views
+    where both printed the same ones); a tensor one side could not read is left out, a
+    changed one is a differing row, and a recompute side cut short is compared as far as it
+    goes."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(6, 5, generator=g) for _ in range(3))
+    released = torch.randn(6, 5)
+    released.untyped_storage().resize_(0)
+    forward = _fused.side_prints([a, b, c], tolerant=True)
+    cols = _fused.columns(forward, _fused.side_prints([a.clone(), b.clone(), c.clone()]))
+    assert [d.type for d, _, _ in cols] == ["cpu"] and torch.equal(cols[0][1], cols[0][2])
+    changed = c.clone()
+    changed[2, 3] += 1
+    (_, f, r), = _fused.columns(forward, _fused.side_prints([a, released, changed]))
+    assert f.numel() == 2 and (f != r).tolist() == [False, True]
+    (_, f, r), = _fused.columns(forward, _fused.side_prints([a]))
+    assert f.numel() == 1 and torch.equal(f, r)
+
+
+@pytest.mark.cpu
+def test_a_side_compared_equal_makes_no_print_object(monkeypatch):
+    """The detect tier keeps a side as the kernel left it: through a sanitized step whose
+    recompute is equal no ``Print`` is made per tensor (``_exact`` / ``_tolerant``); one
+    whose recompute differs makes them to name the tensor."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fixes.sanitize import RecomputeMismatchError, recompute_sanitizer
+
+    made = []
+    for name in ("_exact", "_tolerant"):
+        original = getattr(_fused, name)
+        monkeypatch.setattr(_fused, name, lambda *a, __f=original: made.append(1) or __f(*a))
+    w = torch.randn(8, 8, requires_grad=True)
+    calls = []
+
+    def region(x, noisy=False):
+        calls.append(1)
+        y = (x @ w).relu() @ w
+        return y + len(calls) * 1e-3 if noisy else y
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with recompute_sanitizer(values="all"):
+        checkpoint(region, x, use_reentrant=True).sum().backward()
+    assert made == []
+    with pytest.raises(RecomputeMismatchError), recompute_sanitizer(values="all"):
+        for _ in range(2):  # found in the first step, located in the second
+            checkpoint(region, x, True, use_reentrant=True).sum().backward()
+    assert made
+
+
+@pytest.mark.cpu
 def test_the_torch_path_batches_by_dtype_not_by_tensor(monkeypatch):
     """The CPU path's cost grows with the dtypes of a side, not its tensors: one
     ``index_add_`` per result and batch of a dtype; batches split anywhere give the same

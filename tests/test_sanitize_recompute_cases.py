@@ -353,7 +353,7 @@ def test_the_sanitizers_own_failure_leaves_the_region_unchecked(monkeypatch, par
 
     reference = _grads(step)
     if part == "fingerprint":
-        monkeypatch.setattr(_fused, "prints", broken)  # the detect tier's prints
+        monkeypatch.setattr(_fused, "side_prints", broken)  # the detect tier's prints
     else:
         monkeypatch.setattr(_reach.Walks, "reach", broken)
     with warnings.catch_warnings(record=True) as seen:

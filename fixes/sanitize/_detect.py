@@ -99,15 +99,31 @@ def _valued(t: torch.Tensor, cuda: bool) -> bool:
 @dataclass(slots=True)
 class _Side:
     metas: list = field(default_factory=list)
-    prints: list | None = None
-    loose: list | None = None  # tolerant prints (reentrant outputs, CUDA without determinism)
+    printed: _fused.Side | None = None  # the fingerprints, as the kernel left them
+    # tolerant prints too (reentrant outputs, CUDA without determinism)
+    tolerant: bool = False
+    _prints: tuple | None = None
+
+    def _made(self) -> tuple:
+        if self._prints is None:  # only for a side found different (``_fused.Side``)
+            self._prints = (self.printed.prints() if self.printed is not None
+                            else (None, None))
+        return self._prints
+
+    @property
+    def prints(self) -> list | None:
+        return self._made()[0]
+
+    @property
+    def loose(self) -> list | None:
+        return self._made()[1]
 
 
 def _side(tensors: list[torch.Tensor], printed: bool, tolerant: bool) -> _Side:
-    side = _Side(list(map(_METADATA, tensors)))  # compared whole: shape, dtype, device
+    side = _Side(list(map(_METADATA, tensors)), tolerant=tolerant)  # compared whole
     if printed:  # one kernel per device (``_fused``)
         cuda = any(t.device.type == "cuda" for t in tensors)
-        side.prints, side.loose = _fused.prints(
+        side.printed = _fused.side_prints(
             [t if _valued(t, cuda) else None for t in tensors], tolerant)
     return side
 
@@ -366,7 +382,7 @@ class Watch:
                              fatal=True), None
         if n_r > n_f:
             tensors = tensors[:n_f]
-        recompute = _side(tensors, self.printed, forward.loose is not None)
+        recompute = _side(tensors, self.printed, forward.tolerant)
         if self.printed:
             self.stats.fingerprints += len(tensors)
         if recompute.metas != forward.metas[:len(recompute.metas)]:  # one comparison: equal
@@ -420,7 +436,7 @@ class Watch:
         pairs = _pairs(forward.prints, recompute.prints)
         index = fp.first_different(pairs)
         within = False
-        if index is not None and forward.loose is not None:
+        if index is not None and forward.tolerant:
             loose = _pairs(forward.loose, recompute.loose)
             within = (beyond := fp.first_different(loose)) is None
             index = index if within else beyond
@@ -457,7 +473,7 @@ def _pairs(forward: list, recompute: list) -> list:
 
 class _Check:
     """One recompute's values and outside state, judged after the backward's one
-    synchronisation: ``print_flags()`` and the small state's flags are 0-d device tensors, true
+    synchronisation: ``print_columns()`` and the small state's flags are device tensors, set
     where something may differ; ``host_changed`` is known without a synchronisation (version
     counters)."""
 
@@ -467,32 +483,14 @@ class _Check:
     def host_changed(self) -> bool:
         return self.state is not None and self.state.host_changed()
 
-    def print_flags(self) -> list[torch.Tensor]:
-        """The value prints' flags (the small state's are the sanitizer's, every check of the
-        backward in one pass: ``_reach.any_changed``)."""
-        out: list[torch.Tensor] = []
-        if not self.watch.printed or self.watch.forward is None:
-            return out
-        with torch.no_grad(), torch._C._DisableTorchDispatch():
-            a_all, b_all = [], []
-            for a, b in _pairs(self.watch.forward.prints, self.recompute.prints):
-                if a is None:
-                    continue
-                if a.shape() != b.shape() or a.device != b.device:
-                    out.append(torch.tensor(True))
-                    continue
-                a_all += a.exact
-                b_all += b.exact
-                a_all += a.approx
-                b_all += b.approx
-            by_device: dict = {}
-            for x, y in zip(a_all, b_all, strict=True):
-                by_device.setdefault(x.device, ([], []))
-                by_device[x.device][0].append(x)
-                by_device[x.device][1].append(y)
-            for xs, ys in by_device.values():
-                out.append((torch.stack(xs) != torch.stack(ys)).any())
-        return out
+    def print_columns(self) -> list[tuple]:
+        """``(device, forward's, recompute's)`` exact prints to compare (``_fused.columns``;
+        the sanitizer compares every check of the backward in one op per device)."""
+        forward = self.watch.forward
+        if not self.watch.printed or forward is None or forward.printed is None \
+                or self.recompute.printed is None:
+            return []
+        return _fused.columns(forward.printed, self.recompute.printed)
 
     def finish(self, given_back: set[int] | None = None) -> None:
         """Judge it in full (a suspect); ``given_back`` as ``Watch._value_difference``'s,

@@ -25,10 +25,20 @@ tensor; integer and float64 atomics into the results): no host synchronisation, 
 tensor. Elsewhere (CPU; CUDA without Triton) the same sums with batched torch ops, a few per
 dtype rather than per tensor. ``kernel_prints`` runs the Triton kernel on any device (on CPU
 through Triton's interpreter: the tests check the two paths give the same prints).
+
+``side_prints`` keeps a side's results as the kernel left them (a ``Side``: one int64 tensor of
+``NOUT`` columns per device, the float sums as their bits), with no object per tensor: two
+sides are compared whole, one column op per device and backward (``columns``), and a tensor's
+``Print`` is made only for a side found different. Per tensor the host builds one table row
+(its layout cached by shape, strides and dtype): on the GPU hosts a side's Python, not its
+kernel, was much of ``values="all"``'s cost on megatron's bf16 cells, and a ``Print`` per
+tensor most of a side's (``python -m benchmarks.fused_print --host-stages``).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
 
 import torch
@@ -77,62 +87,144 @@ def _exact(h: torch.Tensor) -> Print:
     return Print(exact=[h])
 
 
-def _tolerant(row, t: torch.Tensor) -> Print:
-    """From ``row`` = (exact, non-finite, sum, sum of squares, weighted sum) of ``t``."""
-    rtol = ATOMIC_RTOL.get(t.dtype, _DEFAULT_RTOL)
-    root = math.sqrt(t.numel())
-    return Print(exact=[row[1]], approx=[row[2], row[3], row[4]],
+def _tolerant(ints: torch.Tensor, floats: torch.Tensor, dtype: torch.dtype,
+              numel: int) -> Print:
+    """From one tensor's results: ``ints`` = (exact, non-finite), ``floats`` = (sum, sum of
+    squares, weighted sum); ``dtype`` and ``numel``: the tensor's."""
+    rtol = ATOMIC_RTOL.get(dtype, _DEFAULT_RTOL)
+    root = math.sqrt(numel)
+    odd, total, squares, weighted = ints[1], *floats.unbind()
+    return Print(exact=[odd], approx=[total, squares, weighted],
                  scales=[rtol * root, rtol, 2 * rtol * root], norms=[1, 1, 1], roots=[1])
 
 
-def prints(tensors: list, tolerant: bool = False):
-    """Per entry of ``tensors`` (a tensor or None): its exact print (None for None or an
-    unreadable tensor), and with ``tolerant`` its tolerant print too (else None):
-    ``(exact, loose)``."""
-    n = len(tensors)
-    exact: list = [None] * n
-    loose: list | None = [None] * n if tolerant else None
-    groups: dict = {}
+class Side:
+    """One side's prints as the kernel left them: per device (``groups``: device -> (the
+    indices of its printed tensors, ascending; their results, one row each: ``NOUT`` int64
+    columns, the sums' float64 as bits)). ``Print``s are made on demand (``exact``,
+    ``loose``): a side compared equal never makes one."""
+
+    __slots__ = ("n", "tolerant", "groups", "summed", "scales_of")
+
+    def __init__(self, n: int, tolerant: bool):
+        self.n, self.tolerant = n, tolerant
+        self.groups: dict = {}
+        self.summed: dict[int, bool] = {}  # index -> its tolerant print is the sums'
+        self.scales_of: dict[int, tuple] = {}  # index -> (dtype, numel) of a summed one
+
+    def _row(self, i: int):
+        for indices, res in self.groups.values():
+            j = _position(indices, i)
+            if j is not None:
+                return res[j]
+        return None
+
+    def exact(self, i: int) -> Print | None:
+        row = self._row(i)
+        return None if row is None else _exact(row[0])
+
+    def loose(self, i: int) -> Print | None:
+        """Its tolerant print (its exact one where it is no float); None unless tolerant."""
+        if not self.tolerant:
+            return None
+        row = self._row(i)
+        if row is None:
+            return None
+        if not self.summed.get(i):
+            return _exact(row[0])
+        dtype, numel = self.scales_of[i]
+        return _tolerant(row[:2], row[2:].view(torch.float64), dtype, numel)
+
+    def prints(self):
+        """``prints``'s answer: ``(exact, loose)`` lists, one entry per tensor."""
+        exact = [self.exact(i) for i in range(self.n)]
+        return exact, ([self.loose(i) for i in range(self.n)] if self.tolerant else None)
+
+
+def _position(indices: list[int], i: int) -> int | None:
+    j = bisect.bisect_left(indices, i)
+    return j if j < len(indices) and indices[j] == i else None
+
+
+def side_prints(tensors: list, tolerant: bool = False) -> Side:
+    """The prints of every entry of ``tensors`` (a tensor or None; None and an unreadable
+    tensor get none), exact and with ``tolerant`` tolerant too, as a ``Side``: queued kernels
+    only, one per device."""
+    side = Side(len(tensors), tolerant)
+    by_device: dict = {}
     with torch._C._DisableTorchDispatch():
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
             for i, t in enumerate(tensors):
                 if t is not None and readable(t):
-                    groups.setdefault(t.device, []).append(i)
-            for device, indices in groups.items():
+                    by_device.setdefault(t.device, []).append(i)
+            for device, indices in by_device.items():
                 real = [_real(tensors[i]) for i in indices]
                 summed = [tolerant and r.dtype in _KIND for r in real]
-                rows = None
+                res = None
                 if device.type == "cuda" and _triton() is not None:
                     try:
-                        rows = _launch(real, summed, device)
+                        res = _launch(real, summed, device)
                     except Exception as exc:  # Triton cannot build it here: the torch path
                         _KERNEL[0] = None
                         FAILED.append(f"{type(exc).__name__}: {exc}")
-                if rows is None:
-                    rows = _torch_rows(real, summed)
-                for j, i in enumerate(indices):
-                    row = rows[j]
-                    exact[i] = _exact(row[0])
-                    if tolerant:
-                        t = tensors[i]
-                        loose[i] = (_tolerant(row, t) if summed[j] else exact[i])
+                if res is None:
+                    res = _torch_results(real, summed)
+                side.groups[device] = (indices, res)
+                if tolerant:
+                    for i, s in zip(indices, summed, strict=True):
+                        if s:
+                            t = tensors[i]
+                            side.summed[i] = True
+                            side.scales_of[i] = (t.dtype, t.numel())
         finally:
             torch._C._set_grad_enabled(grad)
-    return exact, loose
+    return side
+
+
+def prints(tensors: list, tolerant: bool = False):
+    """Per entry of ``tensors`` (a tensor or None): its exact print (None for None or an
+    unreadable tensor), and with ``tolerant`` its tolerant print too (else None):
+    ``(exact, loose)``."""
+    return side_prints(tensors, tolerant).prints()
+
+
+def columns(forward: Side, recompute: Side) -> list[tuple]:
+    """``(device, forward's, recompute's)``: per device, the exact prints of the tensors
+    printed on both sides (of the first ``recompute.n``), as two int64 columns to compare
+    whole -- equal columns, equal sides (an element's bits differ, its exact print differs,
+    up to a hash collision: the tolerant sums differ only where the bits do). Views where both
+    sides printed the same tensors (the rule); an index gather where one could not read one."""
+    out = []
+    with torch._C._DisableTorchDispatch():
+        for device, (f_indices, f_res) in forward.groups.items():
+            got = recompute.groups.get(device)
+            if got is None:
+                continue
+            r_indices, r_res = got
+            if f_indices == r_indices:
+                out.append((device, f_res[:, 0], r_res[:, 0]))
+                continue
+            both = sorted(set(f_indices).intersection(r_indices))
+            if not both:
+                continue
+            at_f = torch.tensor([_position(f_indices, i) for i in both], device=device)
+            at_r = torch.tensor([_position(r_indices, i) for i in both], device=device)
+            out.append((device, f_res[at_f, 0], r_res[at_r, 0]))
+    return out
 
 
 # -- the torch path -----------------------------------------------------------------------------
 
 
-def _torch_rows(real: list[torch.Tensor], summed: list[bool]) -> list:
-    """The results of ``real`` with batched torch ops: per dtype, batches of up to
-    ``CPU_BATCH`` elements (a large tensor in slices), each a few elementwise ops and an
+def _torch_results(real: list[torch.Tensor], summed: list[bool]) -> torch.Tensor:
+    """The results of ``real`` (``Side``'s rows) with batched torch ops: per dtype, batches of
+    up to ``CPU_BATCH`` elements (a large tensor in slices), each a few elementwise ops and an
     ``index_add_`` per result."""
     device = real[0].device
-    out = torch.zeros(len(real), 2, dtype=torch.int64, device=device)
-    sums = torch.zeros(len(real), 3, dtype=torch.float64, device=device)
+    res = torch.zeros(len(real), NOUT, dtype=torch.int64, device=device)
+    out, sums = res[:, :2], res[:, 2:].view(torch.float64)
     by_dtype: dict = {}
     for j, r in enumerate(real):
         by_dtype.setdefault((r.dtype, summed[j]), []).append(j)
@@ -152,18 +244,7 @@ def _torch_rows(real: list[torch.Tensor], summed: list[bool]) -> list:
             batch.append(piece)
             size += piece[1].numel()
         _torch_batch(batch, width, dtype if summing else None, out, sums)
-    return _rows(out, sums, summed)
-
-
-def _rows(ints: torch.Tensor, floats: torch.Tensor, summed: list[bool]) -> list:
-    """Per tensor its results as 0-d views: (exact,) or (exact, non-finite, sum, sum of
-    squares, weighted sum); a few ``unbind`` calls rather than an indexing op per result."""
-    exact = ints[:, 0].unbind()
-    if not any(summed):
-        return [(e,) for e in exact]
-    odd, sums = ints[:, 1].unbind(), floats.unbind(0)
-    return [(exact[j], odd[j], *sums[j].unbind()) if summed[j] else (exact[j],)
-            for j in range(len(exact))]
+    return res
 
 
 def _torch_batch(batch: list, width: int, summing, out: torch.Tensor,
@@ -272,34 +353,67 @@ def _dims(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
     return [1] * pad + sizes, [0] * pad + strides
 
 
+_LAYOUTS: dict = {}  # (shape, strides, dtype, summed) -> a table row's columns 4 to 15
+LAYOUTS_KEPT = 4096
+OWNERS_LISTED = 256  # programs up to which their owners are listed in Python (else by torch)
+
+
+def _layout(r: torch.Tensor, summed: bool) -> list[int] | None:
+    """A table row's kind, non-finite mask, contiguous flag, sizes and strides for ``r``
+    (cached: a side's layouts recur every step); None where ``r`` has more than 4 dimensions
+    that cannot merge."""
+    key = (r.shape, r.stride(), r.dtype, summed)
+    row = _LAYOUTS.get(key)
+    if row is None:
+        dims = _dims(r)
+        if dims is None:
+            return None
+        sizes, strides = dims
+        kind, mask = _KIND[r.dtype] if summed else (0, 0)
+        contiguous = int(sizes[:3] == [1, 1, 1] and strides[3] == 1)
+        row = [kind, mask, contiguous, *sizes, *strides, 0]
+        if len(_LAYOUTS) >= LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = row
+    return row
+
+
 def _table(real: list[torch.Tensor], summed: list[bool], chunk: int):
     """The kernel's input as one int64 host tensor: per tensor ``NCOL`` columns (address,
     numel, element width, first program, kind, non-finite mask, contiguous, 4 sizes, 4
     strides, unused), the owner of each program, the zeroed results. Also: copies made of
     tensors with more than 4 dimensions that cannot merge (held until the launch)."""
     rows: list[int] = []
-    owners: list[int] = []
+    programs: list[int] = []
     held: list[torch.Tensor] = []
+    first = 0
     for j, r in enumerate(real):
-        dims = _dims(r)
-        if dims is None:
+        layout = _layout(r, summed[j])
+        if layout is None:
             r = r.contiguous()
             held.append(r)
-            dims = _dims(r)
-        sizes, strides = dims
+            layout = _layout(r, summed[j])
         n = r.numel()
-        programs = -(-n // chunk)
-        kind, mask = _KIND[r.dtype] if summed[j] else (0, 0)
-        contiguous = int(sizes[:3] == [1, 1, 1] and strides[3] == 1)
-        rows += [r.data_ptr(), n, r.element_size(), len(owners), kind, mask, contiguous,
-                 *sizes, *strides, 0]
-        owners += [j] * programs
-    host = torch.tensor(rows + owners + [0] * (NOUT * len(real)), dtype=torch.int64)
-    return host, len(owners), held
+        count = -(-n // chunk)
+        rows += [r.data_ptr(), n, r.element_size(), first, *layout]
+        programs.append(count)
+        first += count
+    tail = [0] * (NOUT * len(real))
+    if first <= OWNERS_LISTED:
+        owners = [j for j, count in enumerate(programs) for _ in range(count)]
+        host = torch.tensor(rows + owners + tail, dtype=torch.int64)
+    else:  # C loops, not a Python list of every program
+        host = torch.cat([torch.tensor(rows, dtype=torch.int64),
+                          torch.repeat_interleave(torch.arange(len(real)),
+                                                  torch.tensor(programs)),
+                          torch.tensor(tail, dtype=torch.int64)])
+    return host, first, held
 
 
 def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
-            chunk: int = CHUNK, block: int = BLOCK, num_warps: int = NUM_WARPS) -> list:
+            chunk: int = CHUNK, block: int = BLOCK,
+            num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The results of ``real`` (``Side``'s rows, on ``device``): one launch."""
     host, programs, held = _table(real, summed, chunk)
     n = len(real)
     if device.type == "cuda":
@@ -309,14 +423,15 @@ def _launch(real: list[torch.Tensor], summed: list[bool], device: torch.device,
     out_at = n * NCOL + programs
     kernel = _triton() if device.type == "cuda" else _interpreted()
     if device.type == "cuda":
-        with torch.cuda.device(device):
+        # Triton launches on the current device: switched only where it is another
+        with (contextlib.nullcontext() if device.index == torch.cuda.current_device()
+              else torch.cuda.device(device)):
             kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block,
                                 num_warps=num_warps)
     else:
         kernel[(programs,)](buf, n * NCOL, out_at, CHUNK=chunk, BLOCK=block)
     del held
-    res = buf[out_at:].view(n, NOUT)
-    return _rows(res[:, :2], res[:, 2:].view(torch.float64), summed)
+    return buf[out_at:].view(n, NOUT)
 
 
 def _interpreted():
@@ -352,8 +467,11 @@ def kernel_prints(tensors: list, tolerant: bool = False, chunk: int = CHUNK,
     small ``chunk`` and ``block`` keep it fast)."""
     real = [_real(t) for t in tensors]
     summed = [tolerant and r.dtype in _KIND for r in real]
-    rows = _launch(real, summed, real[0].device, chunk, block)
-    exact = [_exact(r[0]) for r in rows]
-    loose = ([_tolerant(r, t) if s else e for r, t, s, e in
-              zip(rows, tensors, summed, exact, strict=True)] if tolerant else None)
-    return exact, loose
+    side = Side(len(tensors), tolerant)
+    side.groups[real[0].device] = (list(range(len(real))),
+                                   _launch(real, summed, real[0].device, chunk, block))
+    for i, (t, s) in enumerate(zip(tensors, summed, strict=True)):
+        if s:
+            side.summed[i] = True
+            side.scales_of[i] = (t.dtype, t.numel())
+    return side.prints()

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import itertools
 import sys
 import weakref
 from collections.abc import Iterator
@@ -204,29 +205,36 @@ class RecomputeSanitizer:
         if not pending:
             return
         self._walks.new_round()  # a backward ended: values="all" walks its modules anew
-        flags: dict = {}
+        flags: dict = {}  # device -> [(keys, a 1-d bool tensor: one flag a key)]
+        printed: dict = {}  # device -> (a check per row, forward's rows, recompute's rows)
         small: dict = {}  # device -> (check, bytes its recompute left, before) of each state
         suspects: set[int] = set()
         for i, check in enumerate(pending):
             if check.host_changed():
                 suspects.add(i)
-            for flag in check.print_flags():
-                flags.setdefault(flag.device, []).append((i, flag))
+            for device, forward, recompute in check.print_columns():
+                owners, fs, rs = printed.setdefault(device, ([], [], []))
+                owners += [i] * forward.numel()
+                fs.append(forward)
+                rs.append(recompute)
             if check.state is not None:
                 for device, pair in check.state.pairs().items():
                     if pair is None:  # a small tensor changed shape or can no longer be read
                         suspects.add(i)
                     else:
                         small.setdefault(device, []).append((i, *pair))
-        for device, items in small.items():  # every region's small state in one pass
-            flags.setdefault(device, []).append((items, any_changed(items)))
+        with torch.no_grad(), torch._C._DisableTorchDispatch():
+            for device, (owners, fs, rs) in printed.items():  # every check's prints at once
+                flags.setdefault(device, []).append((owners, torch.cat(fs) != torch.cat(rs)))
+            for device, items in small.items():  # every region's small state in one pass
+                flags.setdefault(device, []).append(([items], any_changed(items).reshape(1)))
         again: dict = {}  # where some region's small state changed: each region's flag
         for device, group in flags.items():  # the one synchronisation per device
-            for i, _ in _set(group):
-                if isinstance(i, list):  # the device's small state: which regions
-                    again[device] = changed_flags(i)
+            for key in _flagged(group):
+                if isinstance(key, list):  # the device's small state: which regions
+                    again[device] = changed_flags(key)
                 else:
-                    suspects.add(i)
+                    suspects.add(key)
         for group in again.values():  # a second one, only there
             suspects.update(i for i, _ in _set(group))
         # The suspects judged in full (they synchronise again), in the order they were
@@ -401,6 +409,14 @@ class RecomputeSanitizer:
             return original(obj, run_function, *args)
 
         return checkpoint
+
+
+def _flagged(group: list[tuple[list, torch.Tensor]]) -> list:
+    """The keys of ``group`` (one device's ``(keys, 1-d bool flags, one a key)``) whose flag
+    is set (a key once per set flag): one synchronisation."""
+    bad = torch.cat([f for _, f in group]).tolist()
+    keys = itertools.chain.from_iterable(k for k, _ in group)
+    return [key for key, b in zip(keys, bad, strict=True) if b]
 
 
 def _set(group: list[tuple[object, torch.Tensor]]) -> list[tuple[object, torch.Tensor]]:
