@@ -234,7 +234,7 @@ class Watch:
         """A context recording the modules the forward runs (``_ran``), or none."""
         if self._modules_run is None:
             return contextlib.nullcontext([])
-        if self._ran_key is not None and not self._fresh:  # values="all" always records
+        if self._ran_key is not None:
             kept = self._walks.ran(self._ran_key)
             if kept is not None:
                 self._ran = kept
@@ -244,11 +244,6 @@ class Watch:
     def _ran_these(self, modules: list[torch.nn.Module] | None) -> None:
         """The forward's record (None: taken from the last one of its identity)."""
         if self._modules_run is not None and modules is not None:
-            if self._ran_key is not None and self._fresh:  # the same record: its plan too
-                kept = self._walks.same_ran(self._ran_key, modules)
-                if kept is not None:
-                    self._ran = kept
-                    return
             self._ran = list(map(weakref.ref, modules))
             if self._ran_key is not None:
                 self._walks.keep_ran(self._ran_key, self._ran)

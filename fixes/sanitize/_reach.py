@@ -121,7 +121,6 @@ def _tree(module: torch.nn.Module) -> tuple[set[int], dict[int, torch.nn.Module]
 
 
 def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
-             paths: list | None = None,
              ) -> tuple[dict[int, torch.nn.Module], dict[int, torch.nn.Module]]:
     """A region's ``modules`` (from ``_roots``) narrowed to those of them its forward ran
     (``ran``: ``_ran.ModulesRun``'s record, first call first): ``(walked whole, read alone)``.
@@ -133,9 +132,7 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
     is not recorded: its own state is still reached). ``tree(module)``: ``_tree``'s answer,
     perhaps kept from earlier; ``retree(module)``, where given: read anew, taken where a module
     that narrows ``module`` is no longer held along the kept tree's path (a deletion, which no
-    registration hook sees: the path is checked, not the whole tree read again). ``paths``,
-    where given, gets each (parent, child) pair along those paths (a ``_Plan`` checks them
-    again when it is taken)."""
+    registration hook sees: the path is checked, not the whole tree read again)."""
     if not ran:
         return modules, {}
     ids = list(map(id, ran))  # each module once (``_ran``)
@@ -151,9 +148,6 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
         if retree is not None and not all(_held(m, module, parents) for _, m in tops):
             inside, parents = retree(module)
             tops = _tops(ids, ran, inside, retree)
-        if paths is not None:
-            for _, m in tops:
-                _held(m, module, parents, paths)
         if not tops:
             whole.setdefault(i, module)
             continue
@@ -184,22 +178,15 @@ def _tops(ids: list[int], ran: list, inside: set[int], tree) -> list:
     return tops
 
 
-def _held(m: torch.nn.Module, root: torch.nn.Module, parents: dict,
-          pairs: list | None = None) -> bool:
+def _held(m: torch.nn.Module, root: torch.nn.Module, parents: dict) -> bool:
     """Whether each module on a kept tree's path from ``root`` to ``m`` still holds the next
-    (``parents``: the tree's); ``pairs``, where given, gets each (parent, child) of the path."""
+    (``parents``: the tree's)."""
     while m is not root:
         parent = parents.get(id(m))
-        if parent is None or not _holds(parent, m):
+        if parent is None or not any(c is m for c in parent._modules.values()):
             return False
-        if pairs is not None:
-            pairs.append((parent, m))
         m = parent
     return True
-
-
-def _holds(parent: torch.nn.Module, child: torch.nn.Module) -> bool:
-    return any(c is child for c in parent._modules.values())
 
 
 class Reached:
@@ -453,21 +440,6 @@ class Walks:
             return None
         return kept[0]
 
-    def same_ran(self, key: tuple, modules: list[torch.nn.Module]) -> list[weakref.ref] | None:
-        """The record ``ran(key)`` where it holds ``modules``, in order (a forward that
-        recorded anew, values="all", takes it and its plan), else None. A module of the kept
-        record since freed matches any: one the forward built (megatron's attention builds a
-        ``Softmax`` each call) is in no root's tree unless registered there, which makes the
-        record no longer hold."""
-        kept = self.ran(key)
-        if kept is None or len(kept) != len(modules):
-            return None
-        for ref, m in zip(kept, modules, strict=True):
-            was = ref()
-            if was is not m and was is not None:
-                return None
-        return kept
-
     def keep_ran(self, key: tuple, refs: list[weakref.ref]) -> None:
         self._ran[key] = [refs, self._round, self._registered, None]  # its ``_Plan``: reach's
         self.recorded += 1
@@ -506,17 +478,14 @@ class Walks:
                                               self._round, _tree(module))
         return kept[3]
 
-    def _planned(self, key, recorded, roots, fresh: bool = False) -> tuple | None:
+    def _planned(self, key, recorded, roots) -> tuple | None:
         """(tensors, walk key, modules listed) of ``roots`` from the plan of region ``key``
         made with the record ``recorded`` (``_Plan``), or None: none, or something in it
-        freed, or (``fresh``) a path it narrowed along broken since."""
+        freed."""
         entry = self._ran.get(key)
         if entry is None or entry[0] is not recorded or not isinstance(entry[3], _Plan):
             return None
         plan = entry[3]
-        if fresh and not plan.holds():
-            entry[3] = None  # made again from this region's narrowing
-            return None
         listed = list(map(_CALL, plan.listed))
         found = list(map(_CALL, plan.tensors))
         if any(map(operator.is_, itertools.chain(listed, found), itertools.repeat(None))):
@@ -535,25 +504,23 @@ class Walks:
         where its function (``roots[0]``) has a plan made with that record and the other
         roots are plain tensors, what the function reaches is the plan's (``_Plan``)."""
         planned = None
-        plannable = key is not None and _plannable(roots)
+        plannable = key is not None and not fresh and _plannable(roots)
         if plannable:
-            planned = self._planned(key, recorded, roots, fresh)
+            planned = self._planned(key, recorded, roots)
         if planned is not None:
             tensors, walk_key, listed = planned
             whole_modules, alone_modules = (listed[:len(walk_key[0])],
                                             listed[len(walk_key[0]):])
         else:
             tensors, modules = _roots(roots)
-            paths: list = []
             whole, alone = narrowed(modules, ran() if callable(ran) else ran, self._tree,
                                     functools.partial(self._tree, anew=True) if fresh
-                                    else None, paths)
+                                    else None)
             if plannable and (entry := self._ran.get(key)) is not None \
                     and entry[0] is recorded and entry[3] is None:
                 mutable = [False]
                 found_through = _roots(roots[:1], mutable)[0]
-                entry[3] = (_UNPLANNED if mutable[0]
-                            else _Plan(found_through, whole, alone, paths))
+                entry[3] = _UNPLANNED if mutable[0] else _Plan(found_through, whole, alone)
             walk_key = (tuple(whole), tuple(alone))
             whole_modules, alone_modules = list(whole.values()), list(alone.values())
             listed = [*whole_modules, *alone_modules]
@@ -629,22 +596,12 @@ class _Plan:
     through a list changed in place, a planned function kept reaching the module taken out
     (a review of 628638c). Held weakly."""
 
-    __slots__ = ("tensors", "listed", "walk_key", "paths")
+    __slots__ = ("tensors", "listed", "walk_key")
 
-    def __init__(self, tensors: dict, whole: dict, alone: dict, paths: list):
+    def __init__(self, tensors: dict, whole: dict, alone: dict):
         self.tensors = [weakref.ref(t) for t in tensors.values()]
         self.listed = [weakref.ref(m) for m in itertools.chain(whole.values(), alone.values())]
         self.walk_key = (tuple(whole), tuple(alone))
-        # (parent, child) along the paths the narrowing took: values="all" takes the plan only
-        # while each parent still holds its child (a deletion no registration hook sees)
-        self.paths = [(weakref.ref(a), weakref.ref(b)) for a, b in paths]
-
-    def holds(self) -> bool:
-        for a, b in self.paths:
-            parent, child = a(), b()
-            if parent is None or child is None or not _holds(parent, child):
-                return False
-        return True
 
 
 def _plannable(roots) -> bool:

@@ -174,7 +174,7 @@ class RecomputeSanitizer:
             region.detection, region.position = found, position
             return region
         fresh = self.values == "all"
-        ran_key = None if args is None else (key, position, identity(fn, args, kwargs))
+        ran_key = None if fresh or args is None else (key, position, identity(fn, args, kwargs))
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
                       reentrant, self._printed(position, rounds), self._found, self._walks,
                       fresh=fresh, modules_run=self._modules_run, ran_key=ran_key)
