@@ -775,9 +775,8 @@ def test_a_submodule_called_without_its_parent_leaves_the_modules_between_read_a
 
 @pytest.mark.parametrize("fresh", [True, False])
 def test_a_submodule_deleted_since_is_seen_by_a_tree_read_anew(fresh):
-    """No hook sees ``del module.sub``: where ``fresh`` (values="all") the kept tree's path to
-    each module that narrows a root is checked and the tree read anew where it is broken (at
-    once), else the tree is read anew once it is ``REWALK_ROUNDS`` rounds old; then a module
+    """No hook sees ``del module.sub``: the kept tree of a root is read anew once a round
+    where ``fresh`` (values="all"), else once it is ``REWALK_ROUNDS`` rounds old; then a module
     that ran but is no longer the root's no longer narrows it."""
     model = torch.nn.Module()
     model.a, model.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
@@ -793,28 +792,6 @@ def test_a_submodule_deleted_since_is_seen_by_a_tree_read_anew(fresh):
         for _ in range(_reach.REWALK_ROUNDS):
             walks.new_round()
         assert id(model.a.count) in _ids(walks.reached([model], fresh=fresh, ran=[b]))
-
-
-def test_a_deletion_higher_on_the_path_is_seen_at_once_where_fresh():
-    """The path is checked to the root: a module still held by its parent, whose parent the
-    root let go of, narrows the root no more (values="all"); the tree is not read again while
-    the paths hold (``Walks._trees`` keeps its entry)."""
-    model = torch.nn.Module()
-    model.a = torch.nn.Linear(2, 2)
-    model.a.register_buffer("count", torch.zeros(()))
-    model.inner = torch.nn.Module()
-    model.inner.b = torch.nn.Linear(2, 2)
-    b = model.inner.b
-    walks = _reach.Walks()
-    with walks.watching():
-        assert id(model.a.count) not in _ids(walks.reached([model], fresh=True, ran=[b]))
-        kept = walks._trees[id(model)]
-        walks.new_round()
-        walks.reached([model], fresh=True, ran=[b])
-        assert walks._trees[id(model)] is kept  # the path held: not read again
-        del model.inner
-        walks.new_round()
-        assert id(model.a.count) in _ids(walks.reached([model], fresh=True, ran=[b]))
 
 
 def test_walks_let_go_of_what_can_no_longer_hold():

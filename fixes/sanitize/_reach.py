@@ -120,7 +120,7 @@ def _tree(module: torch.nn.Module) -> tuple[set[int], dict[int, torch.nn.Module]
     return ids, parents
 
 
-def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
+def narrowed(modules: dict[int, torch.nn.Module], ran, tree,
              ) -> tuple[dict[int, torch.nn.Module], dict[int, torch.nn.Module]]:
     """A region's ``modules`` (from ``_roots``) narrowed to those of them its forward ran
     (``ran``: ``_ran.ModulesRun``'s record, first call first): ``(walked whole, read alone)``.
@@ -129,10 +129,7 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
     block, in each layer's region's closure) the outermost of those are walked whole, and it
     and every module between it and them are read alone -- their own parameters, buffers and
     tensor attributes (a layer whose ``forward`` is called directly, not through ``__call__``,
-    is not recorded: its own state is still reached). ``tree(module)``: ``_tree``'s answer,
-    perhaps kept from earlier; ``retree(module)``, where given: read anew, taken where a module
-    that narrows ``module`` is no longer held along the kept tree's path (a deletion, which no
-    registration hook sees: the path is checked, not the whole tree read again)."""
+    is not recorded: its own state is still reached). ``tree(module)``: ``_tree``'s answer."""
     if not ran:
         return modules, {}
     ids = list(map(id, ran))  # each module once (``_ran``)
@@ -144,10 +141,16 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
             whole.setdefault(i, module)
             continue
         inside, parents = tree(module)
-        tops = _tops(ids, ran, inside, tree)
-        if retree is not None and not all(_held(m, module, parents) for _, m in tops):
-            inside, parents = retree(module)
-            tops = _tops(ids, ran, inside, retree)
+        tops: list[tuple[int, torch.nn.Module]] = []
+        covered: list[set[int]] = []  # the tops' subtrees
+        for j, m in zip(ids, ran, strict=True):  # an ancestor is called before its submodules
+            if j in inside:
+                for c in covered:
+                    if j in c:
+                        break
+                else:
+                    tops.append((j, m))
+                    covered.append(tree(m)[0])
         if not tops:
             whole.setdefault(i, module)
             continue
@@ -161,32 +164,6 @@ def narrowed(modules: dict[int, torch.nn.Module], ran, tree, retree=None,
     for i in whole:
         own.pop(i, None)  # walked whole as another root's submodule
     return whole, own
-
-
-def _tops(ids: list[int], ran: list, inside: set[int], tree) -> list:
-    """The outermost of the modules ``ran`` inside a tree (``inside``: its ids)."""
-    tops: list[tuple[int, torch.nn.Module]] = []
-    covered: list[set[int]] = []  # the tops' subtrees
-    for j, m in zip(ids, ran, strict=True):  # an ancestor is called before its submodules
-        if j in inside:
-            for c in covered:
-                if j in c:
-                    break
-            else:
-                tops.append((j, m))
-                covered.append(tree(m)[0])
-    return tops
-
-
-def _held(m: torch.nn.Module, root: torch.nn.Module, parents: dict) -> bool:
-    """Whether each module on a kept tree's path from ``root`` to ``m`` still holds the next
-    (``parents``: the tree's)."""
-    while m is not root:
-        parent = parents.get(id(m))
-        if parent is None or not any(c is m for c in parent._modules.values()):
-            return False
-        m = parent
-    return True
 
 
 class Reached:
@@ -466,14 +443,13 @@ class Walks:
             for handle in hooks:
                 handle.remove()
 
-    def _tree(self, module: torch.nn.Module, anew: bool = False) -> tuple:
+    def _tree(self, module: torch.nn.Module, fresh: bool) -> tuple:
         """``_tree(module)``, kept while no module was registered, for fewer than
-        ``REWALK_ROUNDS`` rounds (a submodule deleted, which no hook sees, is seen by then;
-        where ``fresh``, ``narrowed`` checks the paths it narrows along and reads it ``anew``
-        where one is broken)."""
+        ``REWALK_ROUNDS`` rounds (a submodule deleted, which no hook sees, is seen by then),
+        and read anew once a round where ``fresh``."""
         kept = self._trees.get(id(module))
-        if (anew or kept is None or kept[0]() is not module or kept[1] != self._registered
-                or self._round - kept[2] >= REWALK_ROUNDS):
+        if (kept is None or kept[0]() is not module or kept[1] != self._registered
+                or self._round - kept[2] >= (1 if fresh else REWALK_ROUNDS)):
             kept = self._trees[id(module)] = (weakref.ref(module), self._registered,
                                               self._round, _tree(module))
         return kept[3]
@@ -513,9 +489,8 @@ class Walks:
                                             listed[len(walk_key[0]):])
         else:
             tensors, modules = _roots(roots)
-            whole, alone = narrowed(modules, ran() if callable(ran) else ran, self._tree,
-                                    functools.partial(self._tree, anew=True) if fresh
-                                    else None)
+            whole, alone = narrowed(modules, ran() if callable(ran) else ran,
+                                    lambda m: self._tree(m, fresh))
             if plannable and (entry := self._ran.get(key)) is not None \
                     and entry[0] is recorded and entry[3] is None:
                 mutable = [False]
