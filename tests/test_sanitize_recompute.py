@@ -1091,6 +1091,58 @@ def test_a_region_records_the_modules_its_forward_runs_once_while_the_record_hol
         assert steps == [1, 0, 0, 0] and sanitizer._walks.recorded == 3
 
 
+class _Counts(torch.nn.Module):
+    """A module whose forward counts its calls in a buffer of its own (its recompute counts
+    them again: a write outside the region)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, h):
+        self.calls.add_(1)
+        return h
+
+
+@pytest.mark.parametrize("change", ["deleted, another runs in its place",
+                                    "put in without a hook"])
+def test_values_all_sees_a_module_run_after_a_change_no_hook_sees(change):
+    """``all`` reaches what a fresh walk would each step: after ``del net.b`` (``net.c``, a
+    counting module, runs in its place) or a module put in through ``_modules`` (as
+    ``torch.ao.quantization``'s convert does), the counting module's recompute is caught in
+    the step of the change or the next. A record kept across the change (a freed module
+    taken to match any, f30d70f) or a tree kept while its paths held (653dbf1) missed it
+    for ``REWALK_ROUNDS`` steps (a review of both; reverted)."""
+    import gc
+
+    net = torch.nn.Module()
+    net.a = torch.nn.Linear(8, 8)
+    net.b = torch.nn.Identity()
+    counting = _Counts()
+    swapped_out = net.b  # the swap keeps it alive: no freed tensor marks the kept walk
+    if change.startswith("deleted"):
+        net.c = counting
+        del swapped_out
+
+    def body(h):
+        h = net.a(h)
+        return torch.tanh(net.b(h) if hasattr(net, "b") else net.c(h))
+
+    caught = None
+    with pytest.raises(RecomputeMismatchError), recompute_sanitizer(values="all"):
+        for step in range(6):
+            caught = step
+            if step == 2:
+                if change.startswith("deleted"):
+                    del net.b
+                    gc.collect()
+                else:
+                    net._modules["b"] = counting
+            checkpoint(body, torch.randn(4, 8, requires_grad=True),
+                       use_reentrant=False).sum().backward()
+    assert caught <= 3
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("values", ["sampled", "none"])
 def test_a_lent_record_is_the_regions_own_when_the_layers_before_it_are_skipped(
