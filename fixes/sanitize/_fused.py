@@ -104,13 +104,22 @@ class Side:
     columns, the sums' float64 as bits)). ``Print``s are made on demand (``exact``,
     ``loose``): a side compared equal never makes one."""
 
-    __slots__ = ("n", "tolerant", "groups", "summed", "scales_of")
+    __slots__ = ("n", "tolerant", "groups", "summed")
 
     def __init__(self, n: int, tolerant: bool):
         self.n, self.tolerant = n, tolerant
         self.groups: dict = {}
-        self.summed: dict[int, bool] = {}  # index -> its tolerant print is the sums'
-        self.scales_of: dict[int, tuple] = {}  # index -> (dtype, numel) of a summed one
+        # index -> (dtype, numel) of a tensor whose tolerant print is the sums'
+        self.summed: dict[int, tuple] = {}
+
+    def add(self, device: torch.device, indices: list[int], res: torch.Tensor,
+            tensors: list, summed: list[bool]) -> None:
+        """The results ``res`` of the tensors at ``indices`` (``tensors`` theirs, in order),
+        on ``device``; ``summed``: which got the tolerant sums."""
+        self.groups[device] = (indices, res)
+        for i, t, s in zip(indices, tensors, summed, strict=True):
+            if s:
+                self.summed[i] = (t.dtype, t.numel())
 
     def _row(self, i: int):
         for indices, res in self.groups.values():
@@ -130,9 +139,9 @@ class Side:
         row = self._row(i)
         if row is None:
             return None
-        if not self.summed.get(i):
+        if i not in self.summed:
             return _exact(row[0])
-        dtype, numel = self.scales_of[i]
+        dtype, numel = self.summed[i]
         return _tolerant(row[:2], row[2:].view(torch.float64), dtype, numel)
 
     def prints(self):
@@ -171,13 +180,7 @@ def side_prints(tensors: list, tolerant: bool = False) -> Side:
                         FAILED.append(f"{type(exc).__name__}: {exc}")
                 if res is None:
                     res = _torch_results(real, summed)
-                side.groups[device] = (indices, res)
-                if tolerant:
-                    for i, s in zip(indices, summed, strict=True):
-                        if s:
-                            t = tensors[i]
-                            side.summed[i] = True
-                            side.scales_of[i] = (t.dtype, t.numel())
+                side.add(device, indices, res, [tensors[i] for i in indices], summed)
         finally:
             torch._C._set_grad_enabled(grad)
     return side
@@ -468,10 +471,7 @@ def kernel_prints(tensors: list, tolerant: bool = False, chunk: int = CHUNK,
     real = [_real(t) for t in tensors]
     summed = [tolerant and r.dtype in _KIND for r in real]
     side = Side(len(tensors), tolerant)
-    side.groups[real[0].device] = (list(range(len(real))),
-                                   _launch(real, summed, real[0].device, chunk, block))
-    for i, (t, s) in enumerate(zip(tensors, summed, strict=True)):
-        if s:
-            side.summed[i] = True
-            side.scales_of[i] = (t.dtype, t.numel())
+    device = real[0].device
+    side.add(device, list(range(len(real))), _launch(real, summed, device, chunk, block),
+             tensors, summed)
     return side.prints()

@@ -236,7 +236,7 @@ class RecomputeSanitizer:
                 else:
                     suspects.add(key)
         for group in again.values():  # a second one, only there
-            suspects.update(i for i, _ in _set(group))
+            suspects.update(_flagged([([i], f.reshape(1)) for i, f in group]))
         # The suspects judged in full (they synchronise again), in the order they were
         # recomputed: a tensor two of them wrote gets the first one's contents from before.
         given_back: set[int] = set()
@@ -417,12 +417,6 @@ def _flagged(group: list[tuple[list, torch.Tensor]]) -> list:
     bad = torch.cat([f for _, f in group]).tolist()
     keys = itertools.chain.from_iterable(k for k, _ in group)
     return [key for key, b in zip(keys, bad, strict=True) if b]
-
-
-def _set(group: list[tuple[object, torch.Tensor]]) -> list[tuple[object, torch.Tensor]]:
-    """The entries of ``group`` (one device's) whose 0-d flag is set: one synchronisation."""
-    bad = torch.stack([f for _, f in group]).tolist()
-    return [entry for entry, b in zip(group, bad, strict=True) if b]
 
 
 _slot = ActiveSlot("recompute_sanitizer()")
