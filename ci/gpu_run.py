@@ -64,6 +64,8 @@ PYTEST = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-rA"]
 RECLAIM_TESTS = ["tests/test_recompute_reclaim.py", "tests/test_reclaim_holders.py",
                  "tests/test_reclaim_install_order.py", "tests/test_verl_reclaim.py",
                  "tests/test_reclaim_value_safety.py"]
+SANITIZER_TESTS = ["tests/test_sanitize_recompute_gpu.py", "tests/test_sanitize_fused_print.py",
+                   "tests/test_sanitize_mesh.py", "tests/test_sanitize_storage.py"]
 # Megatron-LM's tests at the installed megatron-core's tag (git archive core_v0.19.0 tests/
 # __init__.py tests/unit_tests tests/test_utils into .megatron-tests/core_v0.19.0; carried)
 MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
@@ -153,6 +155,10 @@ def _steps(out: str) -> dict[str, list[Step]]:
         # unfixed paths, the CUDA alias-graph batch, verl's releases in both orders)
         "reclaim": [Step("pytest-gpu-reclaim", [*PYTEST, *RECLAIM_TESTS, "-m", "gpu", "-n", "4",
                                                 "-q"], 420)],
+        # the sanitizers' gpu tests (every tests/test_sanitize_* file with a gpu case), to run
+        # with refresh-sanitizers after a change under fixes/sanitize/
+        "sanitizer-tests": [Step("pytest-gpu-sanitizers", [*PYTEST, *SANITIZER_TESTS, "-m",
+                                                           "gpu", "-n", "4", "-q"], 120)],
         # peak / kept between steps / gradient digests on the real megatron models, every
         # one-GPU cell, one measured step each (no step times: see steptime), ours beside no
         # reclaim, verl 0.8.0 and the rival fixes (Megatron-LM #6339, miles #2862's gc.collect);

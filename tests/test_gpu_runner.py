@@ -206,3 +206,15 @@ def test_the_card_memory_is_read_from_nvidia_smi_or_the_variable(monkeypatch):
     megatron = [s for s in memory if "megatron" in s.name]
     assert {s.gib for s in megatron} == {g * children.AT_ONCE
                                          for g in gpu_run.MEGATRON_CHILD_GIB.values()}
+
+
+def test_the_sanitizers_gpu_tests_are_a_target_beside_their_figures():
+    # after a change under fixes/sanitize/ a device call remakes the figures and runs the
+    # sanitizers' gpu tests: both runner targets (no command written by hand per call)
+    steps = gpu_run._steps("OUT")
+    (tests,) = steps["sanitizer-tests"]
+    files = {a for a in tests.argv if a.startswith("tests/")}
+    with_gpu = {f"tests/{p.name}" for p in (gpu_run.REPO / "tests").glob("test_sanitize_*.py")
+                if "mark.gpu" in p.read_text()}
+    assert files == with_gpu and len(files) >= 4
+    assert "gpu" in tests.argv and not tests.alone
