@@ -178,6 +178,33 @@ def test_omp_num_threads_sizes_torchs_pool_as_when_spawned():
         assert forked.ok and forked.stdout == spawned.stdout, (env, forked, spawned)
 
 
+# A process whose fork server imported torch under OMP_NUM_THREADS=2 (its own environment)
+# forks a child asking each count in argv: the child's OS threads before any torch op, then
+# torch's pool size.
+_THREADS_UNDER_TWO = (
+    "import sys\n"
+    "from repro import run_isolated\n"
+    "inner = (\"import os, torch; n = len(os.listdir('/proc/self/task')); \"\n"
+    "         \"print(n, torch.get_num_threads())\")\n"
+    "for omp in sys.argv[1:]:\n"
+    "    r = run_isolated(code=inner, forkserver=True, timeout=120,"
+    " env={'OMP_NUM_THREADS': omp})\n"
+    "    print(r.stdout.strip() if r.ok else r.stderr[-2000:])\n")
+
+
+def test_a_child_asking_the_servers_thread_count_starts_single_threaded_others_get_theirs():
+    """The pool starts lazily, as in a spawned child, where the child asks the count torch was
+    imported under in the server (a caller's OMP_NUM_THREADS=2 for the whole run: the child
+    started with the pool of two running, not single-threaded); a child asking another count
+    gets it (set as it starts: its pool runs from then on)."""
+    r = run_isolated(code=_THREADS_UNDER_TWO, args=["2", "3"], env={"OMP_NUM_THREADS": "2"},
+                     timeout=300)
+    assert r.ok, r.stderr[-3000:]
+    same, other = r.stdout.splitlines()
+    assert same == "1 2", r.stdout
+    assert other.split()[1] == "3", r.stdout
+
+
 def test_module_runs_as_main_with_its_argv(tmp_path):
     (tmp_path / "as_main.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
     forked, spawned = _both(module="as_main", args=["x"], cwd=str(tmp_path), timeout=120)

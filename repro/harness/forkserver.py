@@ -18,9 +18,11 @@ survive a fork. The server therefore
   with the preloads before it, and a RuntimeWarning names the module and its threads; that
   profile's children import it (and what follows it) themselves;
 * never runs a torch op and never initialises CUDA (it only imports; checked before every
-  fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools start lazily in each
-  child, sized by the child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``
-  (``forkserver_process._set_torch_threads``: OpenMP read them when the server imported torch).
+  fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools are sized by the
+  child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: OpenMP read the server's when it
+  imported torch, so a child asking another count has it set as it starts (its pool running
+  from then on), and one asking the same count starts its pool lazily, as a spawned child
+  (``forkserver_process._set_torch_threads``).
 
 How a child differs from ``python -c`` / ``python -m`` (none of it matters to a repro):
 

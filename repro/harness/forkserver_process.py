@@ -26,16 +26,25 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+# What this process's environment asked of torch's intra-op pool when it imported torch
+# (``_threads_asked``): a forked server inherits it with torch.
+_IMPORTED_ASKING: tuple[str, int] | None = None
+
+
 def _preload(profile: str, upto: int | None) -> dict | None:
     """Import the profile's first ``upto`` preloads (all: None), checking after each that the
     server can still fork; the first one after which it cannot is reported (its index and why)."""
+    global _IMPORTED_ASKING
     for index, name in enumerate(forkserver.PRELOADS[profile][:upto]):
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # optional and not installed: the children that need it skip
+        had_torch = "torch" in sys.modules
         try:
             importlib.import_module(name)
         except ImportError:
             continue  # a child importing it sees the same error itself
+        if not had_torch and "torch" in sys.modules:
+            _IMPORTED_ASKING = _threads_asked(os.environ)
         if (why := _unsafe_to_fork()) is not None:
             return {"unsafe_after": index, "module": name, "why": why, "threads": _thread_names()}
     return None
@@ -222,16 +231,28 @@ def _drop_inherited_atexit_handlers() -> None:
         atexit.register(logging.shutdown)
 
 
+def _threads_asked(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """The variable and count ``env`` sizes torch's intra-op pool by (``OMP_NUM_THREADS``,
+    else ``MKL_NUM_THREADS``: torch's own order), or None: neither."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return name, int(value)
+    return None
+
+
 def _set_torch_threads(env: Mapping[str, str]) -> None:
     """torch's intra-op pool size as a spawned child would have it. OpenMP read the server's
     environment when torch was imported; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
-    must still apply, or ranks side by side would each spin a pool of every core."""
+    must still apply, or ranks side by side would each spin a pool of every core. Set only
+    where the child asks otherwise than torch's import here did: ``set_num_threads`` starts
+    the pool at once, and a child asking what the server was started with (a caller's
+    ``OMP_NUM_THREADS=2`` for a whole run) then began with two OS threads, not single-threaded
+    as a spawned one; its pool now starts lazily, sized as the import left it."""
     torch = sys.modules.get("torch")
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's own order
-        value = env.get(name, "")
-        if torch is not None and value.isdigit() and int(value) > 0:
-            torch.set_num_threads(int(value))
-            return
+    asked = _threads_asked(env)
+    if torch is not None and asked is not None and asked != _IMPORTED_ASKING:
+        torch.set_num_threads(asked[1])
 
 
 def _exit_code(code: object) -> int:
