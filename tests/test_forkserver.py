@@ -179,30 +179,48 @@ def test_omp_num_threads_sizes_torchs_pool_as_when_spawned():
 
 
 # A process whose fork server imported torch under OMP_NUM_THREADS=2 (its own environment)
-# forks a child asking each count in argv: the child's OS threads before any torch op, then
-# torch's pool size.
+# runs a child per argv entry ("OMP_NUM_THREADS=1,MKL_NUM_THREADS=1"), forked and spawned:
+# the child's OS threads before any torch op, then torch's pool size; one line each, the forked
+# child's then the spawned one's.
 _THREADS_UNDER_TWO = (
     "import sys\n"
     "from repro import run_isolated\n"
     "inner = (\"import os, torch; n = len(os.listdir('/proc/self/task')); \"\n"
     "         \"print(n, torch.get_num_threads())\")\n"
-    "for omp in sys.argv[1:]:\n"
-    "    r = run_isolated(code=inner, forkserver=True, timeout=120,"
-    " env={'OMP_NUM_THREADS': omp})\n"
-    "    print(r.stdout.strip() if r.ok else r.stderr[-2000:])\n")
+    "for spec in sys.argv[1:]:\n"
+    "    env = dict(kv.split('=') for kv in spec.split(','))\n"
+    "    for forked in (True, False):\n"
+    "        r = run_isolated(code=inner, forkserver=forked, timeout=120, env=env)\n"
+    "        print(r.stdout.strip() if r.ok else r.stderr[-2000:])\n")
 
 
-def test_a_child_asking_the_servers_thread_count_starts_single_threaded_others_get_theirs():
-    """The pool starts lazily, as in a spawned child, where the child asks the count torch was
-    imported under in the server (a caller's OMP_NUM_THREADS=2 for the whole run: the child
-    started with the pool of two running, not single-threaded); a child asking another count
-    gets it (set as it starts: its pool runs from then on)."""
-    r = run_isolated(code=_THREADS_UNDER_TWO, args=["2", "3"], env={"OMP_NUM_THREADS": "2"},
+def test_a_forked_child_sizes_torchs_pool_as_a_spawned_one():
+    """Asking what the server was started with, the pool starts lazily: the child begins
+    single-threaded (a caller's OMP_NUM_THREADS=2 for the whole run once had every forked
+    child begin with two OS threads); asking less, or MKL_NUM_THREADS beside it (MKL's wins in
+    torch), it gets a spawned child's count."""
+    asks = ["OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1", "OMP_NUM_THREADS=2,MKL_NUM_THREADS=1"]
+    r = run_isolated(code=_THREADS_UNDER_TWO, args=asks, env={"OMP_NUM_THREADS": "2"},
                      timeout=300)
     assert r.ok, r.stderr[-3000:]
-    same, other = r.stdout.splitlines()
-    assert same == "1 2", r.stdout
-    assert other.split()[1] == "3", r.stdout
+    lines = r.stdout.splitlines()
+    got = {ask: (lines[2 * i], lines[2 * i + 1]) for i, ask in enumerate(asks)}
+    # (a spawned child's numpy may start OpenBLAS's pool at import: only its count compared)
+    assert got["OMP_NUM_THREADS=2"][0] == "1 2", r.stdout
+    for ask, (forked, spawned) in got.items():
+        assert forked.split()[1] == spawned.split()[1], (ask, r.stdout)
+
+
+@pytest.mark.parametrize("conf", ["roundup_power2_divisions:4", None])
+def test_a_child_asking_another_cuda_allocator_config_is_spawned(monkeypatch, conf):
+    """torch parses the CUDA caching allocator's configuration when it is imported (in the
+    server): a child asking another one is spawned, one asking the server's is forked."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    env = {} if conf is None else {"PYTORCH_CUDA_ALLOC_CONF": conf}
+    r = run_isolated(code="import sys; print('torch' in sys.modules)", forkserver=True,
+                     env=env, timeout=120)
+    assert r.stdout == ("False\n" if conf else "True\n"), r
 
 
 def test_module_runs_as_main_with_its_argv(tmp_path):

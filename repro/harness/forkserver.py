@@ -19,18 +19,20 @@ survive a fork. The server therefore
   profile's children import it (and what follows it) themselves;
 * never runs a torch op and never initialises CUDA (it only imports; checked before every
   fork: ``torch.cuda.is_initialized()`` is False). torch's thread pools are sized by the
-  child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: OpenMP read the server's when it
-  imported torch, so a child asking another count has it set as it starts (its pool running
-  from then on), and one asking the same count starts its pool lazily, as a spawned child
-  (``forkserver_process._set_torch_threads``).
+  child's own ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``: OpenMP and MKL read the server's when
+  it imported torch, so a child asking the same starts its pool lazily, as a spawned child,
+  and one asking another count has it set as it starts (its pool running from then on; not
+  capped to the physical cores as a spawned child's: ``forkserver_process._set_torch_threads``).
 
 How a child differs from ``python -c`` / ``python -m`` (none of it matters to a repro):
 
 * the preloaded modules were imported once, under the server's environment: variables they
   read at import time take the server's values (the child's ``os.environ``, ``sys.argv``,
   ``sys.path`` (its ``PYTHONPATH``), working directory, stdio and faulthandler are the
-  request's); numpy's BLAS keeps one thread and pyarrow's jemalloc no background thread; every
-  child shares the server's hash seed (``random`` reseeds itself at fork);
+  request's) -- but a child asking another CUDA allocator configuration than the server's
+  import read (``READ_AT_IMPORT``: it would change the bytes a peak counts) is spawned; numpy's
+  BLAS keeps one thread and pyarrow's jemalloc no background thread; every child shares the
+  server's hash seed (``random`` reseeds itself at fork);
 * a child that must import a preloaded package from elsewhere (a Megatron-LM checkout instead
   of the installed megatron-core), or must not find one imported (tests of what happens
   without torchtitan), cannot use the server (or that profile): its caller spawns it;
@@ -97,6 +99,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 
 from fixes.switch import env_switch
 from repro.harness.checkout import with_checkout
@@ -155,15 +158,29 @@ def enabled() -> bool:
 # ---- client -------------------------------------------------------------------------------
 
 
+# What torch reads once, when a server imports it, that a child's own environment cannot
+# change afterwards: the CUDA caching allocator's configuration (parsed as libc10_cuda loads;
+# ``roundup_power2_divisions`` changes the bytes a child's peak counts). A child asking other
+# values than its server's import had is spawned (``forkserver_request.start``).
+READ_AT_IMPORT = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def read_at_import(env: Mapping[str, str]) -> dict[str, str | None]:
+    return {name: env.get(name) for name in READ_AT_IMPORT}
+
+
 class _Client:
     """A connection to a fork server: one this process started (spawned, ``proc``, or forked
     from another of its servers), or, in a forked child, the one its server gave it (so that
     what a child starts is forked by the same server)."""
 
     def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None,
-                 preloads: tuple[str, ...] = ()):
+                 preloads: tuple[str, ...] = (), imported: dict | None = None):
         self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
         self.preloads = preloads  # what the server imported (its children have them)
+        # ``read_at_import`` of the environment torch was imported under (a forked server's:
+        # its base's)
+        self.imported = imported if imported is not None else read_at_import(os.environ)
 
     @classmethod
     def start(cls, profile: str, upto: int | None = None, base: _Client | None = None) -> _Client:
@@ -214,7 +231,8 @@ class _Client:
             else:
                 why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
             raise OSError(f"fork server (profile {profile!r}) {why}")
-        return cls(mine, pid, proc, PRELOADS[profile][:upto])
+        return cls(mine, pid, proc, PRELOADS[profile][:upto],
+                   read_at_import(env) if base is None else base.imported)
 
     def usable(self) -> bool:
         if self.pid != os.getpid():
@@ -318,10 +336,11 @@ def prestart(profiles) -> None:
                          name=f"forkserver-prestart-{profile}").start()
 
 
-def attach(conn: socket.socket) -> None:
-    """In a child the server has just forked: ``conn`` is the child's own connection to it."""
+def attach(conn: socket.socket, imported: dict) -> None:
+    """In a child the server has just forked: ``conn`` is the child's own connection to it,
+    ``imported`` the server's ``read_at_import`` when it imported torch."""
     global _attached
-    _attached = _Client(conn, os.getsid(0), proc=None)
+    _attached = _Client(conn, os.getsid(0), proc=None, imported=imported)
 
 
 def attached() -> bool:

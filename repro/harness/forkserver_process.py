@@ -26,15 +26,18 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-# What this process's environment asked of torch's intra-op pool when it imported torch
-# (``_threads_asked``): a forked server inherits it with torch.
-_IMPORTED_ASKING: tuple[str, int] | None = None
+# What this process's environment held, when it imported torch, of what torch reads then:
+# the intra-op pool's variables (``_threads_asked``) and ``forkserver.READ_AT_IMPORT``. A
+# forked server inherits them with torch; a forked child's client compares its requests'
+# with them (``forkserver.attach``).
+_IMPORTED_ASKING: tuple[str | None, str | None] = (None, None)
+_IMPORTED_ENV: dict[str, str | None] = forkserver.read_at_import(os.environ)
 
 
 def _preload(profile: str, upto: int | None) -> dict | None:
     """Import the profile's first ``upto`` preloads (all: None), checking after each that the
     server can still fork; the first one after which it cannot is reported (its index and why)."""
-    global _IMPORTED_ASKING
+    global _IMPORTED_ASKING, _IMPORTED_ENV
     for index, name in enumerate(forkserver.PRELOADS[profile][:upto]):
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # optional and not installed: the children that need it skip
@@ -45,6 +48,7 @@ def _preload(profile: str, upto: int | None) -> dict | None:
             continue  # a child importing it sees the same error itself
         if not had_torch and "torch" in sys.modules:
             _IMPORTED_ASKING = _threads_asked(os.environ)
+            _IMPORTED_ENV = forkserver.read_at_import(os.environ)
         if (why := _unsafe_to_fork()) is not None:
             return {"unsafe_after": index, "module": name, "why": why, "threads": _thread_names()}
     return None
@@ -179,7 +183,7 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     # A group of its own (a timeout kills what it starts, too) or its requester's (a rank).
     os.setpgid(0, request["group"] or 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    forkserver.attach(conn)  # what it starts is forked by this server too
+    forkserver.attach(conn, _IMPORTED_ENV)  # what it starts is forked by this server too
     _drop_inherited_atexit_handlers()
     env = request["env"]
     _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
@@ -231,28 +235,36 @@ def _drop_inherited_atexit_handlers() -> None:
         atexit.register(logging.shutdown)
 
 
-def _threads_asked(env: Mapping[str, str]) -> tuple[str, int] | None:
-    """The variable and count ``env`` sizes torch's intra-op pool by (``OMP_NUM_THREADS``,
-    else ``MKL_NUM_THREADS``: torch's own order), or None: neither."""
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        value = env.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return name, int(value)
-    return None
+def _threads_asked(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """What ``env`` holds of the variables torch sizes its intra-op pool by:
+    (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``)."""
+    return env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS")
+
+
+def _count(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def _set_torch_threads(env: Mapping[str, str]) -> None:
-    """torch's intra-op pool size as a spawned child would have it. OpenMP read the server's
-    environment when torch was imported; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
-    must still apply, or ranks side by side would each spin a pool of every core. Set only
-    where the child asks otherwise than torch's import here did: ``set_num_threads`` starts
-    the pool at once, and a child asking what the server was started with (a caller's
-    ``OMP_NUM_THREADS=2`` for a whole run) then began with two OS threads, not single-threaded
-    as a spawned one; its pool now starts lazily, sized as the import left it."""
+    """torch's intra-op pool sized as the child asks. OpenMP and MKL read the server's
+    environment when it imported torch; the child's ``OMP_NUM_THREADS`` (e.g. 1 for a rank)
+    must still apply, or ranks side by side would each spin a pool of every core.
+
+    Where the child's variables are the server's at that import, nothing is set: the pool
+    starts lazily, sized as the import left it -- exactly a spawned child's (a caller's
+    ``OMP_NUM_THREADS=2`` for a whole run once had every forked child begin with two OS
+    threads). Where they differ, ``set_num_threads`` with ``MKL_NUM_THREADS``, else
+    ``OMP_NUM_THREADS`` (MKL's variable wins in torch too): the pool then starts at once,
+    and a count above the physical cores is not capped to them as a spawned child's MKL pool
+    is. A child with neither keeps the server's pool (its caller dropped a variable the server
+    was started with)."""
     torch = sys.modules.get("torch")
     asked = _threads_asked(env)
-    if torch is not None and asked is not None and asked != _IMPORTED_ASKING:
-        torch.set_num_threads(asked[1])
+    if torch is None or asked == _IMPORTED_ASKING:
+        return
+    count = _count(asked[1]) or _count(asked[0])
+    if count is not None:
+        torch.set_num_threads(count)
 
 
 def _exit_code(code: object) -> int:

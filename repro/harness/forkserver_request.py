@@ -73,11 +73,12 @@ def start(
     otherwise it joins this process's group where it can (a child's ranks, killed with it).
     ``profile``: the server's preloads (PRELOADS).
 
-    None when the server cannot take the request (it could not start or has gone): the caller
-    then spawns the child itself.
+    None when the server cannot take the request (it could not start or has gone, or the
+    child asks other values of what torch read when the server imported it:
+    ``forkserver.READ_AT_IMPORT``): the caller then spawns the child itself.
     """
     client = forkserver._connected(profile)
-    if client is None:
+    if client is None or forkserver.read_at_import(env) != client.imported:
         return None
     join = not own_group and os.getsid(0) == client.session
     request = {"kind": kind, "target": target, "args": list(args), "env": dict(env),
