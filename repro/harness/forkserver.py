@@ -175,12 +175,12 @@ class _Client:
     what a child starts is forked by the same server)."""
 
     def __init__(self, sock: socket.socket, session: int, proc: subprocess.Popen | None,
-                 preloads: tuple[str, ...] = (), imported: dict | None = None):
+                 imported: dict[str, str | None], preloads: tuple[str, ...] = ()):
         self.sock, self.session, self.proc, self.pid = sock, session, proc, os.getpid()
+        # ``read_at_import`` of the environment the server imported torch under (a forked
+        # server's: its base's)
+        self.imported = imported
         self.preloads = preloads  # what the server imported (its children have them)
-        # ``read_at_import`` of the environment torch was imported under (a forked server's:
-        # its base's)
-        self.imported = imported if imported is not None else read_at_import(os.environ)
 
     @classmethod
     def start(cls, profile: str, upto: int | None = None, base: _Client | None = None) -> _Client:
@@ -231,8 +231,8 @@ class _Client:
             else:
                 why = f"did not start: {ready.decode(errors='replace') or 'exited'!r}"
             raise OSError(f"fork server (profile {profile!r}) {why}")
-        return cls(mine, pid, proc, PRELOADS[profile][:upto],
-                   read_at_import(env) if base is None else base.imported)
+        return cls(mine, pid, proc, read_at_import(env) if base is None else base.imported,
+                   PRELOADS[profile][:upto])
 
     def usable(self) -> bool:
         if self.pid != os.getpid():
@@ -340,7 +340,7 @@ def attach(conn: socket.socket, imported: dict) -> None:
     """In a child the server has just forked: ``conn`` is the child's own connection to it,
     ``imported`` the server's ``read_at_import`` when it imported torch."""
     global _attached
-    _attached = _Client(conn, os.getsid(0), proc=None, imported=imported)
+    _attached = _Client(conn, os.getsid(0), None, imported)
 
 
 def attached() -> bool:

@@ -26,18 +26,17 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-# What this process's environment held, when it imported torch, of what torch reads then:
-# the intra-op pool's variables (``_threads_asked``) and ``forkserver.READ_AT_IMPORT``. A
-# forked server inherits them with torch; a forked child's client compares its requests'
-# with them (``forkserver.attach``).
-_IMPORTED_ASKING: tuple[str | None, str | None] = (None, None)
-_IMPORTED_ENV: dict[str, str | None] = forkserver.read_at_import(os.environ)
+# This process's environment when it imported torch, which torch read then: the intra-op
+# pool's variables (``_threads_asked``) and ``forkserver.READ_AT_IMPORT``. A forked server
+# inherits it with torch; a forked child's client compares its requests with it
+# (``forkserver.attach``).
+_TORCH_IMPORT_ENV: dict[str, str] = dict(os.environ)
 
 
 def _preload(profile: str, upto: int | None) -> dict | None:
     """Import the profile's first ``upto`` preloads (all: None), checking after each that the
     server can still fork; the first one after which it cannot is reported (its index and why)."""
-    global _IMPORTED_ASKING, _IMPORTED_ENV
+    global _TORCH_IMPORT_ENV
     for index, name in enumerate(forkserver.PRELOADS[profile][:upto]):
         if importlib.util.find_spec(name.split(".")[0]) is None:
             continue  # optional and not installed: the children that need it skip
@@ -47,8 +46,7 @@ def _preload(profile: str, upto: int | None) -> dict | None:
         except ImportError:
             continue  # a child importing it sees the same error itself
         if not had_torch and "torch" in sys.modules:
-            _IMPORTED_ASKING = _threads_asked(os.environ)
-            _IMPORTED_ENV = forkserver.read_at_import(os.environ)
+            _TORCH_IMPORT_ENV = dict(os.environ)
         if (why := _unsafe_to_fork()) is not None:
             return {"unsafe_after": index, "module": name, "why": why, "threads": _thread_names()}
     return None
@@ -183,7 +181,8 @@ def _child(request: dict, out_w: int, err_w: int, conn: socket.socket) -> None:
     # A group of its own (a timeout kills what it starts, too) or its requester's (a rank).
     os.setpgid(0, request["group"] or 0)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    forkserver.attach(conn, _IMPORTED_ENV)  # what it starts is forked by this server too
+    # what it starts is forked by this server too
+    forkserver.attach(conn, forkserver.read_at_import(_TORCH_IMPORT_ENV))
     _drop_inherited_atexit_handlers()
     env = request["env"]
     _redirect_stdio(out_w, err_w, unbuffered=env.get("PYTHONUNBUFFERED", "") != "")
@@ -260,7 +259,7 @@ def _set_torch_threads(env: Mapping[str, str]) -> None:
     was started with)."""
     torch = sys.modules.get("torch")
     asked = _threads_asked(env)
-    if torch is None or asked == _IMPORTED_ASKING:
+    if torch is None or asked == _threads_asked(_TORCH_IMPORT_ENV):
         return
     count = _count(asked[1]) or _count(asked[0])
     if count is not None:

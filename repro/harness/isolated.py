@@ -176,7 +176,8 @@ def _forked_ranks(
     for env in envs:
         rank = forkserver_request.start(kind, argv[2], argv[3:], env, cwd, own_group=False,
                                        profile=profile)
-        if rank is None:  # the server has gone: end the ranks it started, spawn them all
+        if rank is None:  # the server has gone (or cannot take this environment: ``start``):
+            # end the ranks it started, spawn them all
             for started in ranks:
                 started.kill()
             forkserver_request.collect(ranks, None)
