@@ -24,7 +24,9 @@ the detect tier's check of writes outside the region (``_detect``).
   to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
   in the attributes the walk found tensors under (a tensor under another is a new plain
   attribute: seen by the next fresh walk), and read apart from the others from then on (its
-  rescan every round does not join the walk's lists again). A kept walk holds its tensors
+  rescan every round does not join the walk's lists again); its tensors other than registered
+  buffers are compared by version counter, not by their bits (``_rebound``: per-forward state,
+  the dispatcher's routing map, probs and indices). A kept walk holds its tensors
   weakly, its parameters kept as compared by counter (``Reached``) and every other tensor
   sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
   since the walk), and learns of a death by the weak reference's callback: a region reads it
@@ -332,15 +334,17 @@ class _Kept:
         others = list(map(_CALL, self.others))
         if self.volatile:  # read apart; a tensor of theirs may be another module's too (tied
             known = self.known(params, others)  # weights): found once
-            extra = {}
+            extra = {}  # id -> (tensor, compared by counter)
             for i in self.volatile:
+                sub = self.entries[i][0]()
+                buffers = set(map(id, getattr(sub, "_buffers", {}).values()))
                 for t in map(_CALL, itertools.chain(self.entries[i][1], self.entries[i][2])):
                     if t is None or id(t) not in known:
-                        extra.setdefault(id(t), t)
+                        extra.setdefault(id(t), (t, t is not None and (
+                            _counted(t) or _rebound(t, buffers))))
             self.apart = set(extra)
-            if extra:
-                for t in extra.values():
-                    (params if t is not None and _counted(t) else others).append(t)
+            for t, counted in extra.values():
+                (params if counted else others).append(t)
         # a tensor freed since the marks were read (a callback on another thread): walk anew
         if any(map(operator.is_, itertools.chain(params, others), itertools.repeat(None))):
             return None, rescanned
@@ -362,6 +366,20 @@ def _counted(t: torch.Tensor) -> bool:
     """A kept walk's tensor compared by counter without sorting it again at each read: a
     strided parameter with storage (not meta)."""
     return type(t) is torch.nn.Parameter and t.layout is torch.strided and not t.is_meta
+
+
+def _rebound(t: torch.Tensor, buffers: set[int]) -> bool:
+    """A tensor of a module scanned again (``volatile``: a tensor found in it died, an
+    attribute rebound) compared by counter, not by its bits: a strided one with storage that is
+    no registered buffer of the module. Why: megatron's token dispatcher rebinds its routing
+    map, probs and indices every forward (per-forward state its forward reads back itself);
+    snapshotting their bits at each recompute's start and end, and comparing them at the
+    backward's end, was most of what a MoE region's ``values="none"`` cost more than a GPT
+    region's on the H200 (``benchmarks.sanitizer_host_time``). What this gives up: a write
+    that bypasses the counter (``.data``, a kernel's unannounced output) into such a tensor; a
+    registered buffer (batch norm's statistics, updated without a counter bump) keeps its
+    bits compared."""
+    return id(t) not in buffers and t.layout is torch.strided and not t.is_meta
 
 
 def _once(refs) -> list:
