@@ -36,6 +36,19 @@ class _Holder(torch.nn.Module):
         self.bn.last = torch.zeros(2)
 
 
+def _rebound_once(model: torch.nn.Module) -> _reach.Reached:
+    """What a kept walk of ``model`` reads after ``model.route`` was rebound once (one
+    rescan)."""
+    model.route = torch.zeros(2)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        model.route = torch.ones(2)
+        found = walks.reach([model], fresh=False)
+    assert walks.rescanned == 1
+    return found
+
+
 def test_another_modules_buffer_tied_into_a_volatile_entry_keeps_bits():
     """Both entries volatile, the holder (entry 0) read first: the child's registered buffer
     is classified by the holder's ``_buffers`` (not it) and goes to the counter; batch norm's
@@ -84,19 +97,12 @@ def test_functional_batch_norm_into_a_plain_attribute_of_a_volatile_module():
 
 def test_a_small_inference_tensor_on_a_volatile_module_is_still_read():
     """A small tensor made under ``torch.inference_mode`` (a cache built during evaluation)
-    on a module that rebinds an attribute: read by bits before, now by counter -- which an
-    inference tensor has none of (``State`` raises: the sanitizer warns, region unchecked)."""
+    on a module that rebinds an attribute keeps its bits compared: an inference tensor has no
+    counter (sent to it, ``State`` raised and the sanitizer left the region unchecked)."""
     model = torch.nn.Linear(2, 2)
     with torch.inference_mode():
         model.cache = torch.zeros(4)
-    model.route = torch.zeros(2)
-    walks = _reach.Walks()
-    with walks.watching():
-        walks.reach([model], fresh=False)
-        model.route = torch.ones(2)
-        found = walks.reach([model], fresh=False)
-    assert walks.rescanned == 1
-    _reach.State(found).settle()  # no exception
+    _reach.State(_rebound_once(model)).settle()  # no exception
 
 
 def test_odd_tensors_on_a_volatile_module_do_not_crash():
@@ -107,17 +113,11 @@ def test_odd_tensors_on_a_volatile_module_do_not_crash():
     model.meta = torch.empty(3, device="meta")
     model.sparse = torch.eye(3).to_sparse()
     model.strided = torch.zeros(3, 4).t()
-    model.route = torch.zeros(2)
-    walks = _reach.Walks()
-    with walks.watching():
-        walks.reach([model], fresh=False)
-        model.route = torch.ones(2)
-        found = walks.reach([model], fresh=False)
-        assert walks.rescanned == 1
-        state = _reach.State(found)
-        model.strided.add_(1)
-        state.settle()
-        assert any(t is model.strided for t, _ in state.changed())
+    found = _rebound_once(model)
+    state = _reach.State(found)
+    model.strided.add_(1)
+    state.settle()
+    assert any(t is model.strided for t, _ in state.changed())
 
 
 class _Idempotent(torch.nn.Module):
