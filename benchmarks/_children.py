@@ -2,7 +2,8 @@
 started together at the first cell a test asks for.
 
 Why: a child pays an interpreter and megatron-core's import (~16 s on the H200 host alone,
-twice that beside the refresh's other sessions) before it measures anything, and a session
+twice that beside the refresh's other sessions) before it measures anything -- a spawned
+one; ``cells_in_child`` forks it now -- and a session
 ran its six strategies' children one after the other: the refresh's longest sessions took
 ~300 s, most of it waiting (``benchmarks/results/evidence/2026-12-04-h200-refresh/``). So
 

@@ -101,8 +101,9 @@ def print_figures(scenario: str, strategy: str, device: str) -> None:
 
 
 def figures_in_child(scenario: str, strategy: str, device: str) -> dict:
-    """``print_figures`` in a fresh interpreter; raises repro.Skipped where the child could not
-    run the cell, RuntimeError with its stderr if it failed."""
+    """``print_figures`` in a child of its own (forked by the fork server); raises
+    repro.Skipped where the child could not run the cell, RuntimeError with its stderr if it
+    failed."""
     from repro import Skipped, run_isolated
     from repro.registry import reported_skip
 
@@ -111,7 +112,9 @@ def figures_in_child(scenario: str, strategy: str, device: str) -> dict:
     code = (f"from benchmarks import _output_discard\n"
             f"_output_discard.print_figures({scenario!r}, {strategy!r}, {device!r})\n")
     repo = Path(__file__).resolve().parent.parent
-    r = run_isolated(code=code, timeout=600, cwd=str(repo))
+    # forked by the fork server (torch and megatron-core imported once): a spawned child's
+    # start was most of a cell's time
+    r = run_isolated(code=code, timeout=600, cwd=str(repo), forkserver=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(FIGURES_MARKER)]
     if r.ok and lines:
         return json.loads(lines[-1][len(FIGURES_MARKER):])

@@ -238,10 +238,10 @@ def _crash_name(stderr: str) -> str | None:
 
 
 def figures_in_child(variant: str, strategy: str, device: str) -> dict:
-    """``print_figures`` in a fresh interpreter. A cell of ``CRASHES`` whose child died by a
-    signal or an exception gives ``{"crashed": name}``. Raises repro.Skipped where the child
-    could not run (a verl release not installed), RuntimeError with its stderr if it failed
-    otherwise (also a crash outside ``CRASHES``)."""
+    """``print_figures`` in a child of its own (forked by the fork server). A cell of
+    ``CRASHES`` whose child died by a signal or an exception gives ``{"crashed": name}``.
+    Raises repro.Skipped where the child could not run (a verl release not installed),
+    RuntimeError with its stderr if it failed otherwise (also a crash outside ``CRASHES``)."""
     from repro import Skipped, run_isolated
     from repro.registry import reported_skip
 
@@ -249,7 +249,9 @@ def figures_in_child(variant: str, strategy: str, device: str) -> dict:
     code = (f"from benchmarks import _reclaim\n"
             f"_reclaim.print_figures({variant!r}, {strategy!r}, {device!r})\n")
     repo = Path(__file__).resolve().parent.parent
-    r = run_isolated(code=code, timeout=600, cwd=str(repo))
+    # forked by the fork server (torch and megatron-core imported once, verl's release by the
+    # child itself): a spawned child's start was most of a cell's time
+    r = run_isolated(code=code, timeout=600, cwd=str(repo), forkserver=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(FIGURES_MARKER)]
     if r.ok and lines:
         return json.loads(lines[-1][len(FIGURES_MARKER):])

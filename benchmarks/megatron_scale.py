@@ -290,10 +290,16 @@ def cells_in_child(models: str | Sequence[str], strategy: str, device: str, size
     rank, rank 0's cells) for one model or several: its cells as dicts, or one cell with
     ``error`` (no ``hidden``) saying why the child produced none.
 
-    On CPU the child (each rank) is forked by the fork server (repro.harness.forkserver: torch
-    and megatron-core imported once, not once per child; its figures are MemTracker's bytes of
-    the storages made after the child's build, which no import makes); on CUDA a fresh
-    interpreter, as ever."""
+    The child is forked by the fork server (repro.harness.forkserver: torch, and megatron-core
+    where the server can hold it, imported once, not once per child): on CPU each rank too, its
+    figures MemTracker's bytes of the storages made after the child's build, which no import
+    makes; on CUDA a one-rank child, its figures the device's peak and kept bytes since the
+    child initialised CUDA (the server never does) and step times within the child. A spawned
+    CUDA child paid a whole interpreter's start before measuring, and a session's children ran
+    in waves (``benchmarks._children``): the refresh's memory sessions were mostly that wait
+    (child start-up forked and spawned on the H200:
+    ``benchmarks/results/evidence/2026-12-01-h200-session2/``). The ranks of a CUDA child with
+    ``ep`` > 1 are spawned: NCCL ranks forked from the server have not run on two GPUs here."""
     from repro.harness.isolated import run_isolated, run_loopback_ranks
 
     size_arg = ",".join(f"{h}x{s}" for h, s in sizes)
@@ -301,7 +307,7 @@ def cells_in_child(models: str | Sequence[str], strategy: str, device: str, size
     args = ["--child", model, strategy, "--device", device, "--dispatcher", dispatcher,
             "--steps", str(steps), "--sizes", size_arg, "--dtypes", ",".join(dtypes),
             "--ep", str(ep), *(["--trace"] if trace else [])]
-    forked = device == "cpu"
+    forked = device == "cpu" or ep == 1
     if ep == 1:
         res = run_isolated(module="benchmarks.megatron_scale", timeout=900, args=args,
                            forkserver=forked)

@@ -25,7 +25,8 @@ def _child() -> dict[str, dict]:
     """Both dtypes in one child: one interpreter, megatron import and Triton compile for both
     (a child per dtype took the refresh ~20 s more)."""
     r = run_isolated(module="benchmarks.fused_print", args=[
-        "--device", "cuda", "--size", "1024x2048", "--dtypes", ",".join(DTYPES)], timeout=600)
+        "--device", "cuda", "--size", "1024x2048", "--dtypes", ",".join(DTYPES)], timeout=600,
+        forkserver=True)  # torch imported once: the child starts without an interpreter's start
     assert r.returncode == 0, r.stderr[-4000:]
     return fused_print.by_dtype(r.stdout, DTYPES)
 

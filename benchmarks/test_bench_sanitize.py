@@ -248,7 +248,8 @@ def _megatron_cells_in_child(device: str) -> dict[str, dict]:
     if device == "cpu":  # one intra-op thread: its CPU time, what neighbours' load does not add
         args += ["--clock", "thread"]
     r = run_isolated(module="benchmarks._sanitize_megatron", args=args, timeout=1800,
-                     env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)
+                     env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None,
+                     forkserver=True)  # torch (and megatron-core) imported once
     found = [json.loads(ln.split(" ", 1)[1]) for ln in r.stdout.splitlines()
              if ln.startswith("SANITIZE-MEGATRON ")]
     # a child that died takes the cells it did not reach with it (each test then says so,

@@ -42,12 +42,12 @@ def test_table_compares_each_strategy_with_none_of_the_same_expert_parallel_degr
     assert " 2 256x256" in ours and "0.7500" in ours  # 60 / 80, not 60 / 100
 
 
-@pytest.mark.parametrize(("device", "forked"), [("cpu", True), ("cuda", False)])
-@pytest.mark.parametrize("ep", [1, 2])
-def test_cpu_children_are_forked_by_the_fork_server_cuda_ones_spawned(monkeypatch, device,
-                                                                       forked, ep):
-    """A CPU child (each rank of one) is forked from the fork server, torch and megatron-core
-    imported there once; a CUDA child is a fresh interpreter (the server never touches CUDA)."""
+@pytest.mark.parametrize(("device", "ep", "forked"), [
+    ("cpu", 1, True), ("cpu", 2, True), ("cuda", 1, True), ("cuda", 2, False)])
+def test_children_are_forked_by_the_fork_server_but_cuda_ranks(monkeypatch, device, ep, forked):
+    """A child (each rank of a CPU one) is forked from the fork server, torch and megatron-core
+    imported there once (the server never touches CUDA: a CUDA child initialises it itself);
+    the ranks of a two-rank CUDA child are fresh interpreters."""
     from repro.harness import isolated
     from repro.harness.isolated_result import IsolatedResult
 

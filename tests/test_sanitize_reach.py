@@ -884,3 +884,37 @@ def test_a_small_subclass_tensor_is_not_asked_where_its_memory_is():
     loud = torch.Tensor._make_subclass(_Loud, torch.zeros(3))
     state = _reach.State([loud, torch.zeros(2)])
     assert [t is loud for t in state.small] == [False]
+
+
+def test_a_rebound_value_is_compared_by_counter_what_stays_by_bits():
+    """megatron's token dispatcher rebinds its routing map, probs and indices every forward:
+    a tensor a rescan finds that the module's scan before it did not hold is compared by
+    version counter, not snapshotted bit by bit at each recompute (most of what a MoE region's
+    ``values="none"`` cost beyond a GPT region's). What stays keeps its bits compared (batch
+    norm updates its statistics with no counter bump): the rescanned module's buffers, a
+    plain tensor it kept, another module's buffer it holds, and small tensors of modules not
+    scanned again."""
+    config = _Config()
+    model = _model(config)
+    model[1].route = torch.zeros(2)
+    model[1].mask = torch.ones(2)  # stays: bits
+    model[1].stats_of_0 = model[0].running  # another module's buffer: bits
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reach([model], fresh=False)
+        model[1].route = torch.ones(2)  # the old one freed: ``model[1]`` scanned again
+        found = walks.reach([model], fresh=False)
+        assert walks.rescanned == 1
+        small = {id(t) for t in found.small}
+        assert id(model[1].route) in {id(t) for t in found.versioned}
+        assert id(model[1].route) not in small
+        assert {id(model[1].running), id(model[0].running), id(model[1].mask),
+                id(config.table)} <= small
+        # a torch write into it is still seen, by its counter
+        state = _reach.State(found)
+        model[1].route.add_(1)
+        state.settle()
+        assert any(t is model[1].route for t, _ in state.changed())
+        # a value that stayed since the rescan is read by its bits again
+        found = walks.reach([model], fresh=False)
+        assert id(model[1].route) in {id(t) for t in found.small}

@@ -24,7 +24,10 @@ the detect tier's check of writes outside the region (``_detect``).
   to a new tensor: megatron's token dispatcher does it every forward) is scanned again alone,
   in the attributes the walk found tensors under (a tensor under another is a new plain
   attribute: seen by the next fresh walk), and read apart from the others from then on (its
-  rescan every round does not join the walk's lists again). A kept walk holds its tensors
+  rescan every round does not join the walk's lists again); the tensors a rescan finds that
+  the module's scan before it did not hold (rebound values: the dispatcher's routing map,
+  probs and indices) are compared by version counter, not by their bits (``_by_counter``). A
+  kept walk holds its tensors
   weakly, its parameters kept as compared by counter (``Reached``) and every other tensor
   sorted anew at each read (a buffer resized or swapped, a parameter materialised from meta
   since the walk), and learns of a death by the weak reference's callback: a region reads it
@@ -205,7 +208,7 @@ class _Kept:
     "all"): the walk's ``_shape`` is kept, for ``check``."""
 
     __slots__ = ("refs", "entries", "round", "checked", "registered", "dead", "volatile",
-                 "params", "others", "ids", "apart", "rescanned", "shaped",
+                 "params", "others", "ids", "apart", "rescanned", "shaped", "rebound",
                  "__weakref__")
 
     def __init__(self, modules, walked, round_: int, registered: int, fresh: bool):
@@ -216,6 +219,9 @@ class _Kept:
         self.volatile: set[int] = set()  # entries scanned again since the walk: read apart
         self.apart: set[int] = set()  # the ids of the tensors read apart by the last read
         self.rescanned = 0  # modules scanned again by ``check`` (``Walks.rescanned`` reads it)
+        # the ids of the tensors a rescan since the last read found and the entry's scan before
+        # it did not hold alive (``_replace``): rebound values, compared by counter (``read``)
+        self.rebound: set[int] = set()
         self.shaped = fresh  # ``_shape`` kept: ``check`` can answer
         seen: set[int] = set()
         self.entries = [self._entry(i, sub, ts, names, _shape(sub, seen) if fresh else None)
@@ -241,6 +247,11 @@ class _Kept:
     def _replace(self, i: int, entry: list) -> bool:
         """Entry ``i`` scanned again; True where the flat lists must be joined again (it was
         in them)."""
+        before = {id(t) for t in map(_CALL, itertools.chain(self.entries[i][1],
+                                                            self.entries[i][2]))
+                  if t is not None}  # alive: a freed tensor's id may be a new one's
+        self.rebound.update(id(t) for t in map(_CALL, itertools.chain(entry[1], entry[2]))
+                            if t is not None and id(t) not in before)
         self.entries[i] = entry
         self.dead.discard(i)
         if i in self.volatile:
@@ -332,15 +343,16 @@ class _Kept:
         others = list(map(_CALL, self.others))
         if self.volatile:  # read apart; a tensor of theirs may be another module's too (tied
             known = self.known(params, others)  # weights): found once
-            extra = {}
+            extra = {}  # id -> (tensor, compared by counter)
+            rebound, self.rebound = self.rebound, set()
             for i in self.volatile:
                 for t in map(_CALL, itertools.chain(self.entries[i][1], self.entries[i][2])):
                     if t is None or id(t) not in known:
-                        extra.setdefault(id(t), t)
+                        extra.setdefault(id(t), (t, t is not None and (
+                            _counted(t) or (id(t) in rebound and _by_counter(t)))))
             self.apart = set(extra)
-            if extra:
-                for t in extra.values():
-                    (params if t is not None and _counted(t) else others).append(t)
+            for t, counted in extra.values():
+                (params if counted else others).append(t)
         # a tensor freed since the marks were read (a callback on another thread): walk anew
         if any(map(operator.is_, itertools.chain(params, others), itertools.repeat(None))):
             return None, rescanned
@@ -362,6 +374,21 @@ def _counted(t: torch.Tensor) -> bool:
     """A kept walk's tensor compared by counter without sorting it again at each read: a
     strided parameter with storage (not meta)."""
     return type(t) is torch.nn.Parameter and t.layout is torch.strided and not t.is_meta
+
+
+def _by_counter(t: torch.Tensor) -> bool:
+    """A rebound value (``_Kept.rebound``: a tensor a rescan found that the module's scan before
+    it did not hold) compared by counter, not by its bits, where it has one: strided, with
+    storage, not an inference tensor (which has no counter). Why: megatron's token dispatcher
+    rebinds its routing map, probs and indices every forward; snapshotting their bits at each
+    recompute's start and end, and comparing them at the backward's end, was most of what a
+    MoE region's ``values="none"`` cost beyond a GPT region's on the H200
+    (``benchmarks.sanitizer_host_time``). A tensor that stays (a module's buffer or plain
+    statistics, another module's buffer held here, a mask written with the same values) keeps
+    its bits compared. What this gives up: a write that bypasses the counter (``.data``, a
+    kernel's unannounced output such as functional batch norm's statistics) into a value
+    rebound since the module's last scan."""
+    return t.layout is torch.strided and not t.is_meta and not t.is_inference()
 
 
 def _once(refs) -> list:
