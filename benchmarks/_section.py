@@ -325,9 +325,12 @@ def _freshness_html(freshness: Freshness | None) -> tuple[str, str]:
 
 
 def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,
-            freshness: Freshness | None = None) -> str:
+            freshness: Freshness | None = None,
+            superseded_by: tuple[str, str] | None = None) -> str:
     """One scenario on one device kind (see the module docstring); ``freshness``: whether its
-    run is older than the code it measures (``benchmarks._freshness``)."""
+    run is older than the code it measures (``benchmarks._freshness``); ``superseded_by``: the
+    card and run label of a newer run of the scenario on another GPU card
+    (``benchmarks._views.superseded``)."""
     latest = view.latest
     # a time figure is read in the latest run alone: one it does not have gets no table
     metrics = sorted((m for m in view.metrics if not is_time_metric(m)
@@ -335,6 +338,12 @@ def section(view: ScenarioView, colours: dict[str, str], *, open_: bool = False,
     run = latest.run
     dirty = ' <span class="dirty">dirty tree</span>' if run.dirty else ""
     badge, age_note = _freshness_html(freshness)
+    if superseded_by is not None:
+        card, label = superseded_by
+        badge = ' <span class="meta">superseded</span>' + badge
+        age_note = (f'<p class="meta">superseded by the newer run of this scenario on '
+                    f'<a href="#{anchor(card, view.scenario)}">{escape(card)}</a> '
+                    f'({escape(label)}).</p>' + age_note)
     prev = view.previous
     out = [f'<details class="scn" id="{anchor(view.kind, view.scenario)}"{" open" if open_ else ""}>'
            f'<summary><b>{escape(view.scenario)}</b> <span class="meta">({escape(view.kind)}; '

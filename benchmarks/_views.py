@@ -7,6 +7,10 @@ Contract:
 - ``scenario_views``: per (device kind, scenario) the runs that have rows of *that scenario on
   that kind*, oldest first. The latest of those is the section's latest run, the one before it
   is "previous". A newer run of other scenarios or another kind never blanks a section.
+- ``superseded``: a scenario's view on one GPU card whose latest run is older than the latest
+  run of the same scenario on another card, with that card and run: the figures a reader
+  should read are the newer card's (the device lends an H100 or an H200, whichever comes; one
+  card's sections are never current beside the other's).
 - ``ScenarioView.strategies``: the strategies of the scenario's family (the name before
   ``/``) on that kind, so a strategy one variant lacks still has a row.
 - ``ScenarioView.env_changes``: the history points whose environment (torch, megatron-core,
@@ -146,3 +150,27 @@ def scenario_views(runs: list[Run], baselines: dict[str, Run] | None = None) -> 
                      {r.strategy: r for r in base.rows if (r.device_kind, r.scenario) == (kind, scenario)})
         views.append(ScenarioView(kind, scenario, history, strategies, base_rows))
     return views
+
+
+GPU_PREFIX = "gpu-"
+
+
+def is_gpu(kind: str) -> bool:
+    return kind.startswith(GPU_PREFIX)
+
+
+def current_gpu_view(views: list[ScenarioView], scenario: str) -> ScenarioView | None:
+    """The view of ``scenario`` on the GPU card whose latest run of it is the newest (None
+    where no card ran it)."""
+    on_gpus = [v for v in views if v.scenario == scenario and is_gpu(v.kind)]
+    return max(on_gpus, key=lambda v: v.latest.run.datetime, default=None)
+
+
+def superseded(views: list[ScenarioView]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(kind, scenario) -> (the card, the run's label) of a newer run of that scenario on
+    another GPU card, for each GPU view it supersedes."""
+    out = {}
+    for v in views:
+        if is_gpu(v.kind) and (now := current_gpu_view(views, v.scenario)) is not v:
+            out[(v.kind, v.scenario)] = (now.kind, now.latest.label)
+    return out

@@ -23,6 +23,9 @@ tracks). Contract of the page:
   chart: the figure's history over the scenario's runs with environment changes noted, or the
   run's strategies side by side. Step times only with the spread of their repeats
   (``benchmarks._section``).
+- A scenario's section on a GPU card whose latest run is older than that scenario's latest run
+  on another card is drawn last, under "superseded", naming the section that replaces it
+  (``benchmarks._views.superseded``); the headline reads the newer card's.
 - A section (and a headline row) whose run is older than the last change to the code it
   measures says so, against the checkout the page is built from (``benchmarks._freshness``).
 - A strategy that crashed is shown as ``crashed (NAME)``; one the run did not have, as
@@ -46,7 +49,7 @@ from benchmarks._freshness import History, freshness
 from benchmarks._published import RESULTS_DIR, committed_result_files
 from benchmarks._results import ResultsError, Run, load_run
 from benchmarks._section import anchor, section
-from benchmarks._views import ScenarioView, committed_runs, scenario_views
+from benchmarks._views import ScenarioView, committed_runs, scenario_views, superseded
 
 __all__ = ["RESULTS_DIR", "committed_result_files", "main", "render", "summary_table"]
 CSS = """
@@ -163,12 +166,21 @@ def render(runs: list[Run], *, title: str = "stackfix peak-memory benchmarks",
             f'<details open><summary class="meta">what the strategy names mean</summary>'
             f'<table class="names">{strategies}</table></details>{_nav(views)}')
     body = []
-    for kind in sorted({v.kind for v in views}):
+    old = superseded(views)
+
+    def drawn(v: ScenarioView) -> str:
+        return section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections,
+                       freshness=None if history is None else freshness(
+                           v.latest.run.commit, v.scenario.split("/")[0], history),
+                       superseded_by=old.get((v.kind, v.scenario)))
+
+    for kind in sorted({v.kind for v in views if (v.kind, v.scenario) not in old}):
         body.append(f'<h2 id="{anchor(kind, "")}">{escape(kind)}</h2>')
-        body += [section(v, colours, open_=anchor(v.kind, v.scenario) in open_sections,
-                         freshness=None if history is None else freshness(
-                             v.latest.run.commit, v.scenario.split("/")[0], history))
-                 for v in views if v.kind == kind]
+        body += [drawn(v) for v in views if v.kind == kind and (v.kind, v.scenario) not in old]
+    if old:
+        body.append('<h2 id="superseded">Superseded: a newer run of the same scenario on another '
+                    'GPU card replaces these</h2>')
+        body += [drawn(v) for v in views if (v.kind, v.scenario) in old]
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>{escape(title)}</title><style>{CSS}</style></head><body>{head}\n'

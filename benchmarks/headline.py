@@ -2,9 +2,11 @@
 
     python -m benchmarks.headline [--readme README.md] [--check]
 
-``HEADLINES`` names the cells (device kind, scenario, figures; "checkpointed stack": the
-bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
-megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
+``HEADLINES`` names the cells (device kind -- ``gpu``: the newest run of the scenario on any
+GPU card, ``benchmarks._views.current_gpu_view``, the row naming the card --, scenario,
+figures; "checkpointed stack": the bench's megatron-core checkpoints whose layers leak as
+Megatron-LM #3221; "MoE GPT": a real megatron-core GPT, 8 experts, full recompute; EP=2: its
+experts on two GPUs, rank 0's figures);
 ``headline_rows`` reads each from the latest run of that scenario on that kind
 (``benchmarks._views``), one row per strategy (no reclaim, each verl release, the rival fixes
 where the family measures them, ours) with its figures and ours against it, and (given a
@@ -31,7 +33,7 @@ from benchmarks._compare import REFERENCES, RIVAL_FAMILIES, RIVALS, SUBJECT, Ver
 from benchmarks._freshness import Freshness, History, freshness
 from benchmarks._published import RESULTS_DIR, published_runs
 from benchmarks._results import ResultsError, Row, Run
-from benchmarks._views import ScenarioView, committed_runs, scenario_views
+from benchmarks._views import ScenarioView, committed_runs, current_gpu_view, scenario_views
 
 README_BEGIN = ("<!-- headline:begin (generated: python -m benchmarks.dashboard "
                 "-o benchmarks/results/dashboard.html --readme README.md) -->")
@@ -40,9 +42,12 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 MiB = 2**20
 
 
+GPU = "gpu"  # a headline cell's kind: the newest run of its scenario on any GPU card
+
+
 @dataclass(frozen=True, slots=True)
 class Headline:
-    kind: str
+    kind: str  # a device kind, or GPU
     scenario: str
     metrics: tuple[str, ...]
     what: str
@@ -56,13 +61,13 @@ HEADLINES = (
              "checkpointed stack, no aliasing"),
     Headline("cpu", "megatron-scale/moe/256x256/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=256 S=256 fp32"),
-    Headline("gpu-h200", "megatron-scale/moe/1024x2048/fp32", ("peak_bytes", "retained_bytes"),
+    Headline(GPU, "megatron-scale/moe/1024x2048/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=1024 S=2048 fp32", in_readme=False),
-    Headline("gpu-h200", "megatron-scale/moe/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
+    Headline(GPU, "megatron-scale/moe/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=2048 S=4096 fp32"),
-    Headline("gpu-h200", "megatron-scale/moe-ep2/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
+    Headline(GPU, "megatron-scale/moe-ep2/2048x4096/fp32", ("peak_bytes", "retained_bytes"),
              "MoE GPT, H=2048 S=4096, EP=2"),
-    Headline("gpu-h200", "recompute-reclaim/chunked-mtp", ("peak_bytes", "end_of_backward_bytes"),
+    Headline(GPU, "recompute-reclaim/chunked-mtp", ("peak_bytes", "end_of_backward_bytes"),
              "checkpointed stack, chunked MTP input"),
 )
 
@@ -78,6 +83,7 @@ class HeadlineRow:
     anchor_key: tuple[str, str]
     freshness: Freshness | None = None  # whether the run is older than the code it measures
     first: bool = True  # the cell's first row: the one that names the cell and its run
+    kind: str = ""  # the device kind its run measured (a card, for a GPU cell)
 
     @property
     def is_subject(self) -> bool:
@@ -102,15 +108,17 @@ def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
     by_key = {(v.kind, v.scenario): v for v in views}
     rows = []
     for cell in cells:
-        view = by_key.get((cell.kind, cell.scenario))
+        view = (current_gpu_view(views, cell.scenario) if cell.kind == GPU
+                else by_key.get((cell.kind, cell.scenario)))
+        kind = view.kind if view is not None else cell.kind
         latest = view.latest.rows if view else {}
         age = (freshness(view.latest.run.commit, cell.scenario.split("/")[0], history)
                if view is not None and history is not None else None)
         for i, (title, names) in enumerate(_strategies(cell)):
             row = next((latest[n] for n in names if n in latest), None)
             rows.append(HeadlineRow(cell, title, row, latest.get(SUBJECT),
-                                    view.latest.label if view else "", (cell.kind, cell.scenario),
-                                    age, first=i == 0))
+                                    view.latest.label if view else "", (kind, cell.scenario),
+                                    age, first=i == 0, kind=kind))
     return rows
 
 
@@ -157,7 +165,7 @@ def cells_of(row: HeadlineRow) -> list[str]:
             figures.append(versus_text(row.versus(metric)))
     if not row.first:
         return ["", "", row.title, *figures, ""]
-    return [row.cell.what, row.cell.kind, row.title, *figures, _run_cell(row)]
+    return [row.cell.what, row.kind, row.title, *figures, _run_cell(row)]
 
 
 def _run_cell(row: HeadlineRow) -> str:
@@ -202,7 +210,8 @@ def readme_markdown(rows: list[HeadlineRow]) -> str:
     for cell, by_title in cells.items():
         figures = [pair_text(by_title[t].row, cell.metrics) if t in by_title else "--"
                    for t in README_COLUMNS[1:-1]]
-        text = [f"{cell.what} ({cell.kind})", *figures, _run_cell(next(iter(by_title.values())))]
+        first = next(iter(by_title.values()))
+        text = [f"{cell.what} ({first.kind})", *figures, _run_cell(first)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text) + " |")
     return "\n".join(lines)
 
@@ -211,8 +220,8 @@ def readme_block(rows: list[HeadlineRow]) -> str:
     """What goes between the README's markers: the table and how to read it."""
     return (readme_markdown(rows) + "\n\nMiB; `peak / kept`: the step's peak and what it leaves, "
             "live at the end of backward (checkpointed stack) or kept between steps beyond the "
-            "model and its grads (MoE GPT). CPU: MemTracker, `tox -e bench`; H200: CUDA peak "
-            "stats, `pytest benchmarks -m gpu`. The rival fixes (Megatron-LM #6339, "
+            "model and its grads (MoE GPT). CPU: MemTracker, `tox -e bench`; GPU: CUDA peak "
+            "stats, `python3 ci/gpu_run.py refresh` (the newest run on any card, named). The rival fixes (Megatron-LM #6339, "
             "radixark/miles #2862's `gc.collect()`) run on the MoE GPT only. `run`: the commit and "
             "date (UTC) of the row's run, \"older than the code\" where a later commit changed what "
             "it measures (`benchmarks/_freshness.py`). One size per model and device here; every "

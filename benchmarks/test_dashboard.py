@@ -155,7 +155,7 @@ def test_page_is_self_contained():
 
 def test_headline_table_reads_the_committed_runs_and_says_not_run_without_one():
     rows = headline.headline_rows(_views.scenario_views([GPU]))
-    cells = {(r.cell.kind, r.cell.scenario, r.title): headline.cells_of(r) for r in rows}
+    cells = {(r.kind, r.cell.scenario, r.title): headline.cells_of(r) for r in rows}
     gpu = {title: c for (kind, scn, title), c in cells.items()
            if (kind, scn) == ("gpu-h200", "megatron-scale/moe/2048x4096/fp32")}
     # one row per strategy, the rival fixes among them; ours against each, peak first
@@ -170,6 +170,44 @@ def test_headline_table_reads_the_committed_runs_and_says_not_run_without_one():
     assert gpu["ours"][:2] == ["", ""] and gpu["ours"][-1] == ""  # named on the first row only
     assert cells[("cpu", SCN, "no reclaim")][-1] == "not run"
     assert ("cpu", SCN, "Megatron-LM #6339") not in cells  # rivals: megatron-scale cells only
+
+
+H100 = "gpu-h100-80gb-hbm3"
+EP2 = "megatron-scale/moe-ep2/2048x4096/fp32"
+
+
+def test_a_newer_run_on_another_gpu_card_supersedes_the_older_cards_section():
+    """The GPU headline cells read the newest run of their scenario on any card, naming the
+    card; on the page a scenario's section on another card, older, is drawn apart as
+    superseded (it names the section that replaces it), and a scenario only that card ran
+    (EP=2: two GPUs) stays where it was."""
+    scn = "megatron-scale/moe/2048x4096/fp32"
+    ep2 = run("4444444444", "2026-11-04T00:00:00",
+              bench(EP2, "none", kind="gpu-h200", peak_bytes=7000 * MiB),
+              bench(EP2, "ours", kind="gpu-h200", peak_bytes=6800 * MiB))
+    h100 = run("6666666666", "2026-11-06T00:00:00",
+               bench(scn, "none", kind=H100, peak_bytes=8001 * MiB),
+               bench(scn, "ours", kind=H100, peak_bytes=7841 * MiB))
+    views = _views.scenario_views([GPU, ep2, h100])
+    assert _views.superseded(views) == {("gpu-h200", scn): (H100, "66666666 11-06 00:00")}
+    rows = {(r.cell.scenario, r.title): r for r in headline.headline_rows(views)}
+    assert rows[(scn, "no reclaim")].kind == H100
+    assert headline.cells_of(rows[(scn, "no reclaim")])[1:4] == [H100, "no reclaim", "8001.0"]
+    assert headline.cells_of(rows[(scn, "no reclaim")])[-1] == "66666666 11-06 00:00"
+    assert rows[(EP2, "no reclaim")].kind == "gpu-h200"
+    md = headline.readme_markdown(list(rows.values()))
+    assert f"| MoE GPT, H=2048 S=4096 fp32 ({H100}) | 8001.0 / -- |" in md
+    assert "| MoE GPT, H=2048 S=4096, EP=2 (gpu-h200) | 7000.0 / -- |" in md
+    html = dashboard.render([GPU, ep2, h100])
+    ids = re.findall(r'<details class="scn" id="([^"]+)"', html)
+    assert ids == ["gpu-h100-80gb-hbm3-megatron-scale-moe-2048x4096-fp32",
+                   "gpu-h200-megatron-scale-moe-ep2-2048x4096-fp32",
+                   "gpu-h200-megatron-scale-moe-2048x4096-fp32"]  # superseded: last
+    old = re.sub(r"<[^>]+>", "", section(html, "gpu-h200", scn))
+    assert (f"superseded by the newer run of this scenario on {H100} "
+            f"(66666666 11-06 00:00)") in old
+    assert html.index('id="superseded"') < html.index(f'id="{dashboard.anchor("gpu-h200", scn)}"')
+    assert "superseded" not in section(html, "gpu-h200", EP2)
 
 
 def test_a_rival_fix_shows_as_its_own_row_against_ours():
