@@ -28,6 +28,10 @@ sanitizer's stages directly, with this thread's CPU time, around the functions e
   synchronisation per device.
 
 Each stage's figure is its time per region (the flush's spread over the backward's regions).
+``--split site,reach,judge`` times, beside them, the parts of those stages (``PARTS``: the
+functions each calls; a part can run outside its stage, as ``Reached.of`` does, so the parts
+need not add up to it, and a part a mode never runs -- the plan in ``all`` -- reads None):
+where a stage's time goes on a host this cannot be run on step by step, as the GPU's.
 ``--layers 2,4,8,16`` builds each cell at each depth: megatron's full recompute checkpoints
 one layer per region with the whole block in its closure; a region reaches the layer its
 forward ran (``fixes.sanitize._ran``), so a region's host time should not grow with the
@@ -68,17 +72,45 @@ def _stages() -> dict[str, tuple[object, str]]:
 STAGES = ("site", "roots", "ran", "forward", "reach", "snapshot", "judge", "flush")
 
 
+def _parts() -> dict[str, dict[str, tuple[object, str]]]:
+    """stage -> its parts (``--split``): part -> (the object holding its function, its name)."""
+    from fixes.sanitize import _detect, _reach
+    from fixes.sanitize import recompute as rs
+
+    return {"site": {"call_site": (rs, "call_site"), "identity": (rs, "identity"),
+                     "watch": (_detect.Watch, "__init__")},
+            "reach": {"plan": (_reach.Walks, "_planned"), "read": (_reach._Kept, "read"),
+                      "rescan": (_reach._Scan, "module"), "sort": (_reach.Reached, "of")},
+            "judge": {"shape": (_detect.Watch, "_shape_difference"),
+                      "settle": (_reach.State, "settle"),
+                      "defer": (rs.RecomputeSanitizer, "defer")}}
+
+
+PARTS = tuple(_parts())  # the stages --split takes
+
+
+def _table(split: tuple[str, ...] = ()) -> dict[str, tuple[object, str]]:
+    """The stages, and the parts of those in ``split`` as ``STAGE.PART``."""
+    parts = _parts()
+    return {**_stages(), **{f"{stage}.{part}": where for stage in split
+                            for part, where in parts[stage].items()}}
+
+
 @contextlib.contextmanager
-def timed_stages(seconds: dict[str, float], calls: dict[str, int]) -> Iterator[None]:
-    """Each stage's function wrapped to add its thread time to ``seconds[stage]`` and its
-    calls to ``calls[stage]`` while entered; the originals put back on exit."""
+def timed_stages(seconds: dict[str, float], calls: dict[str, int],
+                 split: tuple[str, ...] = ()) -> Iterator[None]:
+    """Each stage's function (and each part of the stages in ``split``) wrapped to add its
+    thread time to ``seconds[name]`` and its calls to ``calls[name]`` while entered; the
+    originals put back on exit."""
     clock = time.thread_time
     originals = []
-    for stage, (owner, name) in _stages().items():
+    for stage, (owner, name) in _table(split).items():
         original = owner.__dict__[name]
         originals.append((owner, name, original))
 
-        def timed(*args, __f=original, __stage=stage, **kwargs):
+        bound = original.__func__ if isinstance(original, classmethod) else original
+
+        def timed(*args, __f=bound, __stage=stage, **kwargs):
             start = clock()
             try:
                 return __f(*args, **kwargs)
@@ -86,7 +118,11 @@ def timed_stages(seconds: dict[str, float], calls: dict[str, int]) -> Iterator[N
                 seconds[__stage] += clock() - start
                 calls[__stage] += 1
 
-        setattr(owner, name, functools.wraps(original)(timed))
+        # The sanitizer's call site skips frozen frames: a region's is its caller's, not
+        # this wrapper's (wrapped around ``call_site`` or ``region``, it was the wrapper's line)
+        timed.__code__ = timed.__code__.replace(co_filename=f"<frozen {__name__}>")
+        timed = functools.wraps(bound)(timed)
+        setattr(owner, name, classmethod(timed) if isinstance(original, classmethod) else timed)
     try:
         yield
     finally:
@@ -95,39 +131,49 @@ def timed_stages(seconds: dict[str, float], calls: dict[str, int]) -> Iterator[N
 
 
 def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, steps: int = 20,
-              rounds: int = 3) -> dict:
+              rounds: int = 3, split: tuple[str, ...] = ()) -> dict:
     """Per values mode: regions a step and, per stage (``STAGES``) and in all, the median over
-    ``rounds`` of the sanitizer's host microseconds per region. ValueError if a stage ran in
-    no region (a renamed function: nothing would be measured there)."""
+    ``rounds`` of the sanitizer's host microseconds per region; with ``split``, per part of
+    those stages too (``us_per_region_by_part``: None for a part that mode never ran -- a
+    rescan where the model rebinds no tensor). ValueError if a stage ran in no region of any
+    mode (a function no longer called: nothing would be measured there; a renamed one is a
+    KeyError)."""
     from fixes.sanitize import recompute_sanitizer
 
     runs: dict[str, list[dict]] = {v: [] for v in values}
     for _ in range(rounds):
         for v in values:
-            seconds = dict.fromkeys(STAGES, 0.0)
-            calls = dict.fromkeys(STAGES, 0)
+            seconds = dict.fromkeys(_table(split), 0.0)
+            calls = dict.fromkeys(_table(split), 0)
             with recompute_sanitizer(values=v) as sanitizer:
                 step()  # entered, walked: the timed steps are a training run's
                 regions = sanitizer.regions
-                with timed_stages(seconds, calls):
+                with timed_stages(seconds, calls, split):
                     for _ in range(steps):
                         step()
                 regions = sanitizer.regions - regions
             if regions == 0:
                 raise ValueError("sanitizer_host_time: the step ran no checkpointed region")
-            missing = [s for s in STAGES if calls[s] == 0]
-            if missing:
-                raise ValueError(f"sanitizer_host_time: stage(s) {', '.join(missing)} ran in no "
-                                 "region: their functions were renamed or are no longer called")
-            runs[v].append({"regions": regions, "seconds": seconds})
+            runs[v].append({"regions": regions, "seconds": seconds, "calls": calls})
+    # ``ran`` records a region's modules only where no recent record of its identity is kept:
+    # in sampled and none, none after the first step (``_reach.Walks.ran``)
+    if missing := [s for s in STAGES if not any(r["calls"][s] for rs in runs.values()
+                                                for r in rs)]:
+        raise ValueError(f"sanitizer_host_time: stage(s) {', '.join(missing)} ran in no "
+                         "region: their functions were renamed or are no longer called")
+    parts = [p for p in _table(split) if p not in STAGES]
     out = {}
     for v, rs in runs.items():
         per = {s: statistics.median(r["seconds"][s] / r["regions"] * 1e6 for r in rs)
                for s in STAGES}
-        totals = [sum(r["seconds"].values()) / r["regions"] * 1e6 for r in rs]
+        totals = [sum(r["seconds"][s] for s in STAGES) / r["regions"] * 1e6 for r in rs]
         out[v] = {"regions_per_step": rs[0]["regions"] / steps,
                   "us_per_region": statistics.median(totals), "us_per_region_by_stage": per,
                   "us_per_region_repeats": totals}
+        if parts:
+            out[v]["us_per_region_by_part"] = {
+                p: (statistics.median(r["seconds"][p] / r["regions"] * 1e6 for r in rs)
+                    if any(r["calls"][p] for r in rs) else None) for p in parts}
     return out
 
 
@@ -146,9 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"values modes, comma-separated, of {', '.join(VALUES)}")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (modes interleaved)")
+    p.add_argument("--split", default="", metavar="STAGES",
+                   help=f"also time the parts of these stages, comma-separated, of "
+                        f"{', '.join(PARTS)}")
     p.add_argument("--json", metavar="PATH", help="write every cell's figures here")
     args = p.parse_args(argv)
     values = tuple(args.values.split(","))
+    split = tuple(s for s in args.split.split(",") if s)
+    if any(s not in PARTS for s in split):
+        p.error(f"--split {args.split!r}: allowed: {', '.join(PARTS)}")
     if not args.cell:
         p.error("give at least one --cell MODEL:SIZE:DTYPE:AUX:RECOMPUTE")
     if not values or any(v not in VALUES for v in values):
@@ -175,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
                               recompute=recompute, layers=layers)
         result = {"cell": text, "layers": layers, "device": args.device, "steps": args.steps,
                   "rounds": args.rounds, "modes": host_time(step, values, args.steps,
-                                                            args.rounds)}
+                                                            args.rounds, split)}
         results.append(result)
         for v, m in result["modes"].items():
             stages = ", ".join(f"{s} {us:.0f}" for s, us in m["us_per_region_by_stage"].items())
+            parts = ", ".join(f"{p} {'--' if us is None else f'{us:.0f}'}"
+                              for p, us in m.get("us_per_region_by_part", {}).items())
             print(f"{text} layers={layers} values={v}: {m['us_per_region']:.0f} us/region "
-                  f"({m['regions_per_step']:.0f} regions/step; {stages})", flush=True)
+                  f"({m['regions_per_step']:.0f} regions/step; {stages})"
+                  + (f"; parts: {parts}" if parts else ""), flush=True)
         del gpt, step  # this build goes before the next
         gc.collect()
     if args.json:

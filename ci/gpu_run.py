@@ -287,12 +287,13 @@ def _steps(out: str) -> dict[str, list[Step]]:
             o("sanitizer-device-time.json"),
             *_cell_args("gpt-mtp:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer")],
             200, json="sanitizer-device-time.json", alone=True)],
-        # the sanitizer's own host time per region, stage by stage, on the H200's host (the
-        # bf16 cells; the MoE GPT with full recompute at 4 and 16 layers: every region reaches
-        # the whole block), alone on the GPU
+        # the sanitizer's own host time per region, stage by stage (and the parts of the
+        # site, reach and judge stages), on the GPU's host (the bf16 cells; the MoE GPT with
+        # full recompute at 4 and 16 layers: every region reaches the whole block), alone
         "sanitizer-host-time": [Step("sanitizer-host-time", [
             PY, "-m", "benchmarks.sanitizer_host_time", "--device", "cuda", "--steps", "10",
-            "--rounds", "3", "--layers", "4,16", "--json", o("sanitizer-host-time.json"),
+            "--rounds", "3", "--layers", "4,16", "--split", "site,reach,judge",
+            "--json", o("sanitizer-host-time.json"),
             *_cell_args("moe:1024x2048:bf16:0:full", "moe:1024x2048:bf16:0.01:moe-layer",
                         "gpt-mtp:1024x2048:bf16:0:full")],
             240, json="sanitizer-host-time.json", alone=True)],
