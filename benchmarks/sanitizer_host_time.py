@@ -79,8 +79,11 @@ def _parts() -> dict[str, dict[str, tuple[object, str]]]:
 
     return {"site": {"call_site": (rs, "call_site"), "identity": (rs, "identity"),
                      "watch": (_detect.Watch, "__init__")},
-            "reach": {"plan": (_reach.Walks, "_planned"), "read": (_reach._Kept, "read"),
-                      "rescan": (_reach._Scan, "module"), "sort": (_reach.Reached, "of")},
+            "reach": {"plan": (_reach.Walks, "_planned"), "roots": (_reach, "_roots"),
+                      "narrow": (_reach, "narrowed"), "tree": (_reach.Walks, "_tree"),
+                      "check": (_reach._Kept, "check"), "walk": (_reach, "_walk"),
+                      "read": (_reach._Kept, "read"), "rescan": (_reach._Scan, "module"),
+                      "sort": (_reach.Reached, "of")},
             "judge": {"shape": (_detect.Watch, "_shape_difference"),
                       "settle": (_reach.State, "settle"),
                       "defer": (rs.RecomputeSanitizer, "defer")}}
