@@ -159,9 +159,10 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
                 raise ValueError("sanitizer_host_time: the step ran no checkpointed region")
             runs[v].append({"regions": regions, "seconds": seconds, "calls": calls})
     # ``ran`` records a region's modules only where no recent record of its identity is kept:
-    # in sampled and none, none after the first step (``_reach.Walks.ran``)
-    if missing := [s for s in STAGES if not any(r["calls"][s] for rs in runs.values()
-                                                for r in rs)]:
+    # in sampled and none, none after the first step (``_reach.Walks.ran``); in all, each forward
+    required = [s for s in STAGES if s != "ran" or "all" in runs]
+    if missing := [s for s in required if not any(r["calls"][s] for rs in runs.values()
+                                                  for r in rs)]:
         raise ValueError(f"sanitizer_host_time: stage(s) {', '.join(missing)} ran in no "
                          "region: their functions were renamed or are no longer called")
     parts = [p for p in _table(split) if p not in STAGES]

@@ -113,6 +113,13 @@ def test_the_wrappers_come_off():
     assert all(owner.__dict__[name] is before[stage] for stage, (owner, name) in table.items())
 
 
+def test_the_modes_that_record_no_module_run_are_timed_alone():
+    """sampled and none take a region's modules from its identity's last record: timed
+    without ``all``, their ``ran`` reads 0 (no error: the stage is all's)."""
+    out = sht.host_time(_step(), values=("sampled", "none"), steps=2, rounds=1)
+    assert [out[v]["us_per_region_by_stage"]["ran"] for v in ("sampled", "none")] == [0, 0]
+
+
 def test_a_step_without_regions_is_an_error_not_zero():
     with pytest.raises(ValueError, match="ran no checkpointed region"):
         sht.host_time(lambda: torch.randn(2, requires_grad=True).sum().backward(), steps=1,
