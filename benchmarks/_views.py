@@ -168,9 +168,11 @@ def current_gpu_view(views: list[ScenarioView], scenario: str) -> ScenarioView |
 
 def superseded(views: list[ScenarioView]) -> dict[tuple[str, str], tuple[str, str]]:
     """(kind, scenario) -> (the card, the run's label) of a newer run of that scenario on
-    another GPU card, for each GPU view it supersedes."""
+    another GPU card, for each GPU view it supersedes (strictly older: two cards' runs of
+    one time supersede neither)."""
     out = {}
     for v in views:
-        if is_gpu(v.kind) and (now := current_gpu_view(views, v.scenario)) is not v:
+        now = current_gpu_view(views, v.scenario) if is_gpu(v.kind) else None
+        if now is not None and now.latest.run.datetime > v.latest.run.datetime:
             out[(v.kind, v.scenario)] = (now.kind, now.latest.label)
     return out

@@ -7,7 +7,8 @@ GPU card, ``benchmarks._views.current_gpu_view``, the row naming the card --, sc
 figures; "checkpointed stack": the bench's megatron-core checkpoints whose layers leak as
 Megatron-LM #3221; "MoE GPT": a real megatron-core GPT, 8 experts, full recompute; EP=2: its
 experts on two GPUs, rank 0's figures);
-``headline_rows`` reads each from the latest run of that scenario on that kind
+``headline_rows`` reads each from the latest run of that scenario on that kind (for ``gpu``,
+on the card whose run is the newest)
 (``benchmarks._views``), one row per strategy (no reclaim, each verl release, the rival fixes
 where the family measures them, ours) with its figures and ours against it, and (given a
 ``History``) whether the run is older than the code it measures
@@ -221,7 +222,7 @@ def readme_block(rows: list[HeadlineRow]) -> str:
     return (readme_markdown(rows) + "\n\nMiB; `peak / kept`: the step's peak and what it leaves, "
             "live at the end of backward (checkpointed stack) or kept between steps beyond the "
             "model and its grads (MoE GPT). CPU: MemTracker, `tox -e bench`; GPU: CUDA peak "
-            "stats, `python3 ci/gpu_run.py refresh` (the newest run on any card, named). The rival fixes (Megatron-LM #6339, "
+            "stats, `python3 ci/gpu_run.py --parallel refresh` (the newest run on any card, named). The rival fixes (Megatron-LM #6339, "
             "radixark/miles #2862's `gc.collect()`) run on the MoE GPT only. `run`: the commit and "
             "date (UTC) of the row's run, \"older than the code\" where a later commit changed what "
             "it measures (`benchmarks/_freshness.py`). One size per model and device here; every "

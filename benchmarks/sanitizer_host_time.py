@@ -29,8 +29,9 @@ sanitizer's stages directly, with this thread's CPU time, around the functions e
 
 Each stage's figure is its time per region (the flush's spread over the backward's regions).
 ``--split site,reach,judge`` times, beside them, the parts of those stages (``PARTS``: the
-functions each calls; a part can run outside its stage, as ``Reached.of`` does, so the parts
-need not add up to it, and a part a mode never runs -- the plan in ``all`` -- reads None):
+functions each calls; a part can run outside its stage, as ``Reached.of`` does, and parts
+contain parts -- ``narrow`` the ``tree``, ``read`` its ``rescan`` and a ``sort`` -- so the
+parts need not add up to it, and a part a mode never runs -- the plan in ``all`` -- reads None):
 where a stage's time goes on a host this cannot be run on step by step, as the GPU's.
 ``--layers 2,4,8,16`` builds each cell at each depth: megatron's full recompute checkpoints
 one layer per region with the whole block in its closure; a region reaches the layer its
@@ -107,8 +108,10 @@ def timed_stages(seconds: dict[str, float], calls: dict[str, int],
     originals put back on exit."""
     clock = time.thread_time
     originals = []
-    for stage, (owner, name) in _table(split).items():
-        original = owner.__dict__[name]
+    # every function found before any is wrapped: a missing one (KeyError) leaves none wrapped
+    found = [(stage, owner, name, owner.__dict__[name])
+             for stage, (owner, name) in _table(split).items()]
+    for stage, owner, name, original in found:
         originals.append((owner, name, original))
 
         bound = original.__func__ if isinstance(original, classmethod) else original
@@ -163,8 +166,8 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
     required = [s for s in STAGES if s != "ran" or "all" in runs]
     if missing := [s for s in required if not any(r["calls"][s] for rs in runs.values()
                                                   for r in rs)]:
-        raise ValueError(f"sanitizer_host_time: stage(s) {', '.join(missing)} ran in no "
-                         "region: their functions were renamed or are no longer called")
+        raise ValueError(f"sanitizer_host_time: no region called the function(s) of stage(s) "
+                         f"{', '.join(missing)}: renamed, or no longer called")
     parts = [p for p in _table(split) if p not in STAGES]
     out = {}
     for v, rs in runs.items():

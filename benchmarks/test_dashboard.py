@@ -210,6 +210,13 @@ def test_a_newer_run_on_another_gpu_card_supersedes_the_older_cards_section():
     assert "superseded" not in section(html, "gpu-h200", EP2)
 
 
+def test_two_cards_runs_of_one_time_supersede_neither():
+    scn = "megatron-scale/moe/2048x4096/fp32"
+    h100 = run("6666666666", "2026-11-03T00:00:00",
+               bench(scn, "none", kind=H100, peak_bytes=8001 * MiB))
+    assert _views.superseded(_views.scenario_views([GPU, h100])) == {}
+
+
 def test_a_rival_fix_shows_as_its_own_row_against_ours():
     scn = "megatron-scale/moe/2048x4096/fp32"
     rivals = run("4444444444", "2026-11-04T00:00:00", *(

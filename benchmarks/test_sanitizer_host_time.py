@@ -103,6 +103,19 @@ def test_a_regions_call_site_is_its_callers_not_the_timers():
         "benchmarks/test_sanitizer_host_time.py:25"]
 
 
+def test_a_function_not_found_leaves_none_wrapped(monkeypatch):
+    """A stage's function missing (renamed) is a KeyError before anything is wrapped: no
+    stage found before it stays timed for the rest of the process."""
+    table = sht._table()
+    before = {stage: owner.__dict__[name] for stage, (owner, name) in table.items()}
+    owner = table["site"][0]
+    monkeypatch.setattr(sht, "_table", lambda split=(): {**table, "gone": (owner, "gone")})
+    with pytest.raises(KeyError, match="gone"):
+        with sht.timed_stages(dict.fromkeys(table, 0.0), dict.fromkeys(table, 0)):
+            pass
+    assert all(owner.__dict__[name] is before[stage] for stage, (owner, name) in table.items())
+
+
 def test_the_wrappers_come_off():
     table = sht._table(sht.PARTS)
     before = {stage: owner.__dict__[name] for stage, (owner, name) in table.items()}
