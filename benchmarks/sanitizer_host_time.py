@@ -146,11 +146,12 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
     KeyError)."""
     from fixes.sanitize import recompute_sanitizer
 
+    names = list(_table(split))  # the stages, then the parts
     runs: dict[str, list[dict]] = {v: [] for v in values}
     for _ in range(rounds):
         for v in values:
-            seconds = dict.fromkeys(_table(split), 0.0)
-            calls = dict.fromkeys(_table(split), 0)
+            seconds = dict.fromkeys(names, 0.0)
+            calls = dict.fromkeys(names, 0)
             with recompute_sanitizer(values=v) as sanitizer:
                 step()  # entered, walked: the timed steps are a training run's
                 regions = sanitizer.regions
@@ -168,7 +169,7 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
                                                   for r in rs)]:
         raise ValueError(f"sanitizer_host_time: no region called the function(s) of stage(s) "
                          f"{', '.join(missing)}: renamed, or no longer called")
-    parts = [p for p in _table(split) if p not in STAGES]
+    parts = names[len(STAGES):]
     out = {}
     for v, rs in runs.items():
         per = {s: statistics.median(r["seconds"][s] / r["regions"] * 1e6 for r in rs)
