@@ -2,15 +2,13 @@
 
     python -m benchmarks.headline [--readme README.md] [--check]
 
-``HEADLINES`` names the cells (device kind -- ``gpu``: the newest run of the scenario on any
-GPU card, ``benchmarks._views.current_gpu_view``, the row naming the card --, scenario,
-figures; "checkpointed stack": the bench's megatron-core checkpoints whose layers leak as
-Megatron-LM #3221; "MoE GPT": a real megatron-core GPT, 8 experts, full recompute; EP=2: its
-experts on two GPUs, rank 0's figures);
-``headline_rows`` reads each from the latest run of that scenario on that kind (for ``gpu``,
-on the card whose run is the newest)
-(``benchmarks._views``), one row per strategy (no reclaim, each verl release, the rival fixes
-where the family measures them, ours) with its figures and ours against it, and (given a
+``HEADLINES`` names the cells (device kind, scenario, figures; "checkpointed stack": the
+bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
+megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
+``headline_rows`` reads each from the latest run of that scenario on that kind -- for the kind
+``gpu``, on the GPU card whose run of it is the newest (``benchmarks._views.current_gpu_view``),
+the row naming the card -- (``benchmarks._views``), one row per strategy (no reclaim, each
+verl release, the rival fixes where the family measures them, ours) with its figures and ours against it, and (given a
 ``History``) whether the run is older than the code it measures
 (``benchmarks._freshness``). The dashboard's summary table (``COLUMNS``: every cell, one row
 per strategy, ours against each) and the README's (``README_COLUMNS``: one row per cell it shows,
@@ -81,10 +79,15 @@ class HeadlineRow:
     row: Row | None  # None when the run has no row of that strategy
     subject: Row | None  # ours, in the same run
     run_label: str  # "" when the cell has no committed run
-    anchor_key: tuple[str, str]
+    anchor_key: tuple[str, str]  # (the device kind its run measured -- a card, for a GPU
+    # cell --, the scenario): its section's
     freshness: Freshness | None = None  # whether the run is older than the code it measures
     first: bool = True  # the cell's first row: the one that names the cell and its run
-    kind: str = ""  # the device kind its run measured (a card, for a GPU cell)
+
+    @property
+    def kind(self) -> str:
+        """The device kind its run measured (a card, for a GPU cell)."""
+        return self.anchor_key[0]
 
     @property
     def is_subject(self) -> bool:
@@ -119,7 +122,7 @@ def headline_rows(views: list[ScenarioView], cells=HEADLINES, *,
             row = next((latest[n] for n in names if n in latest), None)
             rows.append(HeadlineRow(cell, title, row, latest.get(SUBJECT),
                                     view.latest.label if view else "", (kind, cell.scenario),
-                                    age, first=i == 0, kind=kind))
+                                    age, first=i == 0))
     return rows
 
 
@@ -222,7 +225,8 @@ def readme_block(rows: list[HeadlineRow]) -> str:
     return (readme_markdown(rows) + "\n\nMiB; `peak / kept`: the step's peak and what it leaves, "
             "live at the end of backward (checkpointed stack) or kept between steps beyond the "
             "model and its grads (MoE GPT). CPU: MemTracker, `tox -e bench`; GPU: CUDA peak "
-            "stats, `python3 ci/gpu_run.py --parallel refresh` (the newest run on any card, named). The rival fixes (Megatron-LM #6339, "
+            "stats, `python3 ci/gpu_run.py --parallel refresh` (the newest run on any card, "
+            "named). The rival fixes (Megatron-LM #6339, "
             "radixark/miles #2862's `gc.collect()`) run on the MoE GPT only. `run`: the commit and "
             "date (UTC) of the row's run, \"older than the code\" where a later commit changed what "
             "it measures (`benchmarks/_freshness.py`). One size per model and device here; every "
