@@ -24,8 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # family -> the paths its figures measure (a trailing "/": everything below)
 MEASURED_PATHS: dict[str, tuple[str, ...]] = {
+    # _cell_child: how a cell's child is started (forked: its peak since it initialised CUDA)
     "recompute-reclaim": ("fixes/megatron/", "benchmarks/_reclaim.py",
-                          "benchmarks/test_bench_reclaim.py", "benchmarks/_measure.py"),
+                          "benchmarks/test_bench_reclaim.py", "benchmarks/_measure.py",
+                          "benchmarks/_cell_child.py"),
     # _children: how a session's children are grouped and run together (their step times)
     "megatron-scale": ("fixes/megatron/", "repro/reclaims.py", "benchmarks/megatron_scale.py",
                        "benchmarks/test_bench_megatron_scale.py", "benchmarks/_children.py"),
@@ -40,7 +42,8 @@ MEASURED_PATHS: dict[str, tuple[str, ...]] = {
     "recompute-sanitizer": ("fixes/sanitize/", "benchmarks/_sanitize_megatron.py",
                             "benchmarks/test_bench_sanitize.py"),
     "output-discard": ("fixes/megatron/output_discard.py", "benchmarks/_output_discard.py",
-                       "benchmarks/test_bench_output_discard.py", "benchmarks/_measure.py"),
+                       "benchmarks/test_bench_output_discard.py", "benchmarks/_measure.py",
+                       "benchmarks/_cell_child.py"),
     # the compatibility matrix (benchmarks/results/compat/): every repro and every fix
     "compat": ("fixes/", "repro/"),
 }

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -101,24 +100,14 @@ def print_figures(scenario: str, strategy: str, device: str) -> None:
 
 
 def figures_in_child(scenario: str, strategy: str, device: str) -> dict:
-    """``print_figures`` in a child of its own (forked by the fork server); raises
-    repro.Skipped where the child could not run the cell, RuntimeError with its stderr if it
-    failed."""
-    from repro import Skipped, run_isolated
-    from repro.registry import reported_skip
+    """``print_figures`` in a child of its own (``benchmarks._cell_child``: forked by the fork
+    server); raises repro.Skipped where the child could not run the cell, RuntimeError with
+    its stderr if it failed."""
+    from benchmarks._cell_child import run_figures
 
     if scenario not in SCENARIOS or strategy not in STRATEGIES:
         raise ValueError(f"unknown cell {scenario}/{strategy}: {SCENARIOS} x {STRATEGIES}")
-    code = (f"from benchmarks import _output_discard\n"
-            f"_output_discard.print_figures({scenario!r}, {strategy!r}, {device!r})\n")
-    repo = Path(__file__).resolve().parent.parent
-    # forked by the fork server (torch and megatron-core imported once): a spawned child's
-    # start was most of a cell's time
-    r = run_isolated(code=code, timeout=600, cwd=str(repo), forkserver=True)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(FIGURES_MARKER)]
-    if r.ok and lines:
-        return json.loads(lines[-1][len(FIGURES_MARKER):])
-    skipped = reported_skip(r.stderr)
-    if skipped is not None:
-        raise Skipped(skipped)
+    r, figures = run_figures("_output_discard", FIGURES_MARKER, (scenario, strategy, device))
+    if figures is not None:
+        return figures
     raise RuntimeError(f"{scenario}/{strategy} on {device}: {r.describe()}\n{r.stderr[-3000:]}")

@@ -32,7 +32,6 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -238,26 +237,17 @@ def _crash_name(stderr: str) -> str | None:
 
 
 def figures_in_child(variant: str, strategy: str, device: str) -> dict:
-    """``print_figures`` in a child of its own (forked by the fork server). A cell of
-    ``CRASHES`` whose child died by a signal or an exception gives ``{"crashed": name}``.
-    Raises repro.Skipped where the child could not run (a verl release not installed),
-    RuntimeError with its stderr if it failed otherwise (also a crash outside ``CRASHES``)."""
-    from repro import Skipped, run_isolated
-    from repro.registry import reported_skip
+    """``print_figures`` in a child of its own (``benchmarks._cell_child``: forked by the fork
+    server; verl's release imported by the child itself). A cell of ``CRASHES`` whose child
+    died by a signal or an exception gives ``{"crashed": name}``. Raises repro.Skipped where
+    the child could not run (a verl release not installed), RuntimeError with its stderr if it
+    failed otherwise (also a crash outside ``CRASHES``)."""
+    from benchmarks._cell_child import run_figures
 
     check(variant, strategy)
-    code = (f"from benchmarks import _reclaim\n"
-            f"_reclaim.print_figures({variant!r}, {strategy!r}, {device!r})\n")
-    repo = Path(__file__).resolve().parent.parent
-    # forked by the fork server (torch and megatron-core imported once, verl's release by the
-    # child itself): a spawned child's start was most of a cell's time
-    r = run_isolated(code=code, timeout=600, cwd=str(repo), forkserver=True)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(FIGURES_MARKER)]
-    if r.ok and lines:
-        return json.loads(lines[-1][len(FIGURES_MARKER):])
-    skipped = reported_skip(r.stderr)
-    if skipped is not None:
-        raise Skipped(skipped)
+    r, figures = run_figures("_reclaim", FIGURES_MARKER, (variant, strategy, device))
+    if figures is not None:
+        return figures
     crashed = r.signal_name or (None if r.timed_out else _crash_name(r.stderr))
     if (variant, strategy) in CRASHES and crashed:
         return {"crashed": crashed}
