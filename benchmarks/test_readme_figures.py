@@ -46,7 +46,7 @@ def test_a_readme_without_markers_is_an_error(tmp_path, capsys):
     assert "no '<!-- headline:begin" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["cpu", "gpu-h200"])
+@pytest.mark.parametrize("kind", ["cpu", "gpu-h200", "gpu-h100-80gb-hbm3"])
 def test_the_committed_baseline_matches_the_published_figures(kind):
     """The baseline the gate compares with and the figures the README and the dashboard show
     (the latest committed run of each scenario) are the same figures: a baseline refreshed
