@@ -1104,6 +1104,47 @@ class _Counts(torch.nn.Module):
         return h
 
 
+class _PerCall(_Dropped):
+    """``_Dropped`` whose layers' functions also run a module made anew by each call (as
+    megatron's softmax is)."""
+
+    def custom(self, i: int):
+        layer = self.layers[i]
+
+        def custom_forward(h):
+            if layer.counting:
+                layer.calls.add_(1)
+            return torch.nn.Tanh()(layer(h))
+
+        return custom_forward
+
+
+@pytest.mark.parametrize("block_type", [_Dropped, _PerCall], ids=["same", "a module per call"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_values_all_takes_its_identitys_plan_while_its_forward_runs_the_same_modules(
+        monkeypatch, reentrant, block_type):
+    """``all`` records the modules every forward runs; where its identity's last record listed
+    the same ones (alive, in order, no registration since), what the function reaches is the
+    plan made from that record (``_reach._Plan``), not found again through its closure and
+    narrowed: those were a quarter of ``all``'s reach on the H200's host
+    (``benchmarks/results/evidence/2026-12-06-h200-sanitizer-profile/``). The kept walk is
+    still checked once a round, so it still finds what a fresh walk would."""
+    from fixes.sanitize import _reach
+
+    calls = []
+    narrowed = _reach.narrowed
+    monkeypatch.setattr(_reach, "narrowed", lambda *a: calls.append(1) or narrowed(*a))
+    block = block_type(3)
+    with recompute_sanitizer(values="all"):
+        for step in range(4):
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+            assert len(calls) == 3, step  # the first step's three regions made the plans
+        block.layers[2].counting = True  # the recompute counts again: still caught
+        with pytest.raises(RecomputeMismatchError, match=r"side effect.*custom_forward"):
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+            block(torch.randn(4, 8, requires_grad=True), reentrant).sum().backward()
+
+
 @pytest.mark.parametrize("change", ["deleted, another runs in its place",
                                     "put in without a hook"])
 def test_values_all_sees_a_module_run_after_a_change_no_hook_sees(change):

@@ -15,7 +15,9 @@ Per region (a ``Watch``):
 * writes outside the region by the recompute: the tensors the region reaches (its inputs, and
   the parameters, buffers and tensor attributes of the modules its function and arguments
   hold, narrowed to those its forward ran: ``_ran``, ``_reach.narrowed``; in ``sampled``
-  and ``none`` the record of a recent region of the same identity, ``_reach.Walks.ran``) -- small
+  and ``none`` the record of a recent region of the same identity, ``_reach.Walks.ran``; in
+  ``all`` each forward's own record, narrowed as the identity's last one was where both list
+  the same live modules, ``_reach._Plan``) -- small
   non-parameter ones by their contents before and after (batch norm updates its running
   statistics without bumping their version counter), the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
@@ -192,7 +194,8 @@ class Watch:
         self._modules_run = modules_run
         self._ran: list[weakref.ref] | None = None
         # its identity (``_ran.identity``): the modules recorded for it lately are taken
-        # (``Walks.ran``) instead of recording them again; None: recorded
+        # (``Walks.ran``) instead of recording them again -- ``all`` records each forward and
+        # takes the identity's plan of what it reaches (``_reach._Plan``); None: neither
         self._ran_key = ran_key if walks is not None else None
         self.forward: _Side | None = None
         self.broken: str | None = None
@@ -234,7 +237,7 @@ class Watch:
         """A context recording the modules the forward runs (``_ran``), or none."""
         if self._modules_run is None:
             return contextlib.nullcontext([])
-        if self._ran_key is not None:
+        if self._ran_key is not None and not self._fresh:  # ``all``: each forward records
             kept = self._walks.ran(self._ran_key)
             if kept is not None:
                 self._ran = kept
@@ -245,7 +248,7 @@ class Watch:
         """The forward's record (None: taken from the last one of its identity)."""
         if self._modules_run is not None and modules is not None:
             self._ran = list(map(weakref.ref, modules))
-            if self._ran_key is not None:
+            if self._ran_key is not None and not self._fresh:  # ``all``: ``Walks.reach`` keeps it
                 self._walks.keep_ran(self._ran_key, self._ran)
 
     # -- non-reentrant -------------------------------------------------------------------------

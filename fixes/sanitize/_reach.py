@@ -481,12 +481,20 @@ class Walks:
                                               self._round, _tree(module))
         return kept[3]
 
-    def _planned(self, key, recorded, roots) -> tuple | None:
+    def _planned(self, key, recorded, roots, fresh: bool) -> tuple | None:
         """(tensors, walk key, modules listed) of ``roots`` from the plan of region ``key``
-        made with the record ``recorded`` (``_Plan``), or None: none, or something in it
+        made with the record ``recorded`` (``_Plan``) -- ``fresh`` (``values="all"``, whose
+        forwards each record): with a record of the same modules, those of either still
+        alive compared in order by identity (a module made and dropped by each forward,
+        megatron's softmax, is in neither by then) -- or None: none, or something in it
         freed."""
         entry = self._ran.get(key)
-        if entry is None or entry[0] is not recorded or not isinstance(entry[3], _Plan):
+        if entry is None or not isinstance(entry[3], _Plan):
+            return None
+        if entry[0] is not recorded and not (
+                fresh and recorded is not None and entry[2] == self._registered
+                and self._round - entry[1] < REWALK_ROUNDS
+                and _same_alive(entry[0], recorded)):
             return None
         plan = entry[3]
         listed = list(map(_CALL, plan.listed))
@@ -505,11 +513,13 @@ class Walks:
         from the kept walk (a fresh one where it no longer holds). ``key``, a region's
         identity whose forward's record of the modules it ran is ``recorded`` (``ran``):
         where its function (``roots[0]``) has a plan made with that record and the other
-        roots are plain tensors, what the function reaches is the plan's (``_Plan``)."""
+        roots are plain tensors, what the function reaches is the plan's (``_Plan``; with
+        ``fresh``, the plan of the identity's last record where it lists the same live
+        modules, else a plan made now from ``recorded``)."""
         planned = None
-        plannable = key is not None and not fresh and _plannable(roots)
+        plannable = key is not None and _plannable(roots)
         if plannable:
-            planned = self._planned(key, recorded, roots)
+            planned = self._planned(key, recorded, roots, fresh)
         if planned is not None:
             tensors, walk_key, listed = planned
             whole_modules, alone_modules = (listed[:len(walk_key[0])],
@@ -518,6 +528,8 @@ class Walks:
             tensors, modules = _roots(roots)
             whole, alone = narrowed(modules, ran() if callable(ran) else ran,
                                     lambda m: self._tree(m, fresh))
+            if fresh and plannable and recorded is not None:  # ``all``: this record's plan
+                self._ran[key] = [recorded, self._round, self._registered, None]
             if plannable and (entry := self._ran.get(key)) is not None \
                     and entry[0] is recorded and entry[3] is None:
                 mutable = [False]
@@ -591,7 +603,15 @@ class _Plan:
     and defaults), and its modules narrowed to those the forward ran -- the kept walk's key
     and modules. Taken as its own by every region of that identity while the record holds
     (found through its closure each region, with the narrowing, it was a fifth of
-    ``values="none"``'s Python calls a region on megatron's MoE). Made only for a function
+    ``values="none"``'s Python calls a region on megatron's MoE); in ``values="all"``, whose
+    forwards each record, by every region whose record lists the same modules still alive, in
+    order (``_same_alive``; megatron's softmax module, made and dropped by each forward, is in
+    none by then): the walk of the closure and the narrowing were a quarter of ``all``'s
+    reach on the H200's host. What ``all`` gives up there: a module taken out of the tree
+    where no hook sees it (``del parent.child``) while the forward still runs it leaves the
+    narrowing as the plan made it until the identity's forward runs other modules or the
+    plan is ``REWALK_ROUNDS`` rounds old (a module put in or taken out that changes what runs
+    makes a new plan at once). Made only for a function
     that reaches them through nothing that can hold other objects while it stays the same
     object (a list, dict or partial, a nested function, a global: ``_roots``'s ``mutable``):
     the identity reads the function's own cells and defaults, so it changes where they do;
@@ -604,6 +624,13 @@ class _Plan:
         self.tensors = [weakref.ref(t) for t in tensors.values()]
         self.listed = [weakref.ref(m) for m in itertools.chain(whole.values(), alone.values())]
         self.walk_key = (tuple(whole), tuple(alone))
+
+
+def _same_alive(kept: list[weakref.ref], recorded: list[weakref.ref]) -> bool:
+    """Whether two records of the modules run list the same ones still alive, in order."""
+    a = [m for m in map(_CALL, kept) if m is not None]
+    b = [m for m in map(_CALL, recorded) if m is not None]
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _plannable(roots) -> bool:

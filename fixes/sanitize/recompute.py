@@ -152,10 +152,12 @@ class RecomputeSanitizer:
                kwargs: dict | None = None) -> Watch | Region:
         """The detect tier's ``Watch`` for a new region; the locator's ``Region`` (the op
         stream) for one at the call site and round position of an earlier detection.
-        ``args`` (and ``kwargs``), the region's arguments, where given in ``sampled`` and
-        ``none``: a region of the same identity (``_ran.identity``: call site, position,
+        ``args`` (and ``kwargs``), the region's arguments, where given: in ``sampled`` and
+        ``none`` a region of the same identity (``_ran.identity``: call site, position,
         function and plain arguments) recorded lately lends it the modules its forward ran
-        (``Walks.ran``); None: its forward records them."""
+        (``Walks.ran``), in ``all`` its forward records them and takes the identity's plan of
+        what it reaches where the two records list the same live modules (``_reach._Plan``);
+        None: its forward records them, and what it reaches is found anew."""
         label = getattr(fn, "__qualname__", None) or type(fn).__name__
         site = call_site()
         key = site[:1]  # the line that checkpoints: its callers may differ from step to step
@@ -174,7 +176,7 @@ class RecomputeSanitizer:
             region.detection, region.position = found, position
             return region
         fresh = self.values == "all"
-        ran_key = None if fresh or args is None else (key, position, identity(fn, args, kwargs))
+        ran_key = None if args is None else (key, position, identity(fn, args, kwargs))
         watch = Watch(kind, label, site, self, roots if roots is not None else [fn],
                       reentrant, self._printed(position, rounds), self._found, self._walks,
                       fresh=fresh, modules_run=self._modules_run, ran_key=ran_key)
