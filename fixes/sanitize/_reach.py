@@ -39,7 +39,9 @@ the detect tier's check of writes outside the region (``_detect``).
   ``fresh`` (the sanitizer asks it for every region in ``values="all"``) asks for a walk
   that finds what a fresh one would: once a round per set of modules the kept walk is
   checked instead of walked again -- each module's attributes, and the members of every
-  object the walk went into, by identity (``_shape``); a module that differs is scanned
+  object the walk went into, by identity (``_shape``), or, where the interpreter keeps them
+  (``_dictversion``: CPython 3.11, 3.12), by their dicts' version tags, one number a module;
+  a module that differs is scanned
   again alone, one that let go of an object it was the walk's way into makes a fresh walk.
   A fresh walk every round was the largest host cost of ``values="none"`` on megatron's MoE
   (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``), and, two walks
@@ -71,8 +73,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fixes.recompute import state as recompute_state
+from fixes.sanitize import _dictversion, _intended
 from fixes.sanitize import _fingerprint as fp
-from fixes.sanitize import _intended
 
 __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
            "changed_flags", "narrowed", "reached", "roots_of", "tensor_name"]
@@ -268,17 +270,20 @@ class _Kept:
     def check(self, round_: int) -> bool:
         """Whether a fresh walk would find what this one did, found without walking: each
         (sub)module's attributes and the members of every object the walk went into compared
-        by identity with the walk's (``_shape``); where some differ, those attributes alone
-        are scanned again (megatron's token dispatcher, a plain object of its MoE layer,
-        rebinds its routing tensors every forward; the config beside it is not read again).
-        False (walk anew) where a module is gone, or one let go of an object it was the
-        walk's way into (another module holding it was never walked into it)."""
-        changes = []
-        for entry in self.entries:
-            sub = entry[0]()
-            if sub is None:
-                return False
-            changes.append(_changed(sub, entry[4]))
+        with the walk's (``_shape``) -- by their dicts' version tags where the interpreter has
+        them (``_dictversion``: a module whose ``__dict__`` kept its tag holds what it held;
+        one number a module, where comparing every attribute by identity was most of
+        ``values="all"``'s reach on the GPU hosts), else by identity; where some differ, those
+        attributes alone are scanned again (megatron's token dispatcher, a plain object of its
+        MoE layer, rebinds its routing tensors every forward; the config beside it is not read
+        again). False (walk anew) where a module is gone, or one let go of an object it was
+        the walk's way into (another module holding it was never walked into it)."""
+        subs = [entry[0]() for entry in self.entries]
+        if any(sub is None for sub in subs):
+            return False
+        tagged = _dictversion.tag is not None and all(e[4][3] is not None for e in self.entries)
+        changes = [(_retagged if tagged else _changed)(sub, entry[4])
+                   for sub, entry in zip(subs, self.entries, strict=True)]
         if any(changes):
             seen = {i for entry, names in zip(self.entries, changes, strict=True)
                     for c in entry[4][2] if c[0] not in names for i in _ids_into(c)}
@@ -316,7 +321,7 @@ class _Kept:
         scan = _Scan()  # what other entries went into is theirs; this one's own is read
         scan.seen.update(seen.difference(i for c in kept for i in _ids_into(c)))
         tensors, found = scan.module(sub, tuple(held.items()))
-        shape = (tuple(attributes), tuple(map(id, attributes.values())), into)
+        shape = _made_shape(sub, into)
         self.rescanned += 1
         return self._replace(i, self._entry(i, sub, tensors, found, shape))
 
@@ -868,9 +873,67 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
     """What a walk of ``sub`` depends on, by identity: its attributes' names and values, and
     per object among them the walk goes into (not in ``seen``: another module's way into it)
     its members, and those of the objects among its members. Equal shapes: a walk finds the
-    same tensors (those it finds are held by what is compared, so no identity is reused)."""
+    same tensors (those it finds are held by what is compared, so no identity is reused).
+    Read with them, where the interpreter has them (``_dictversion``), the version tags of
+    ``sub``'s ``__dict__`` and of those objects' (``_tags``)."""
+    return _made_shape(sub, _into(sub, seen))
+
+
+def _made_shape(sub: torch.nn.Module, into: tuple) -> tuple:
     attributes = sub.__dict__
-    return tuple(attributes), tuple(map(id, attributes.values())), _into(sub, seen)
+    return (tuple(attributes), tuple(map(id, attributes.values())), into,
+            _tags(attributes, into))
+
+
+def _tag_of(value) -> int | None:
+    """The version tag of what holds ``value``'s members -- a dict itself, a plain object's
+    ``__dict__`` -- or None (a list or tuple: its members compared by identity)."""
+    fields = _fields(value)
+    return None if fields is None else _dictversion.tag(fields)
+
+
+def _tags(attributes: dict, into: tuple) -> tuple | None:
+    """(the module's ``__dict__``'s tag, per ``_into`` record its object's tag and per object
+    among its members that one's) or None where the interpreter has no tags."""
+    if _dictversion.tag is None:
+        return None
+    outer, inner = [], []
+    for name, _, _, records in into:
+        value = attributes[name]
+        outer.append(_tag_of(value))
+        members = tuple(_members(value))
+        inner.append(tuple(_tag_of(members[k]) for k, _, _ in records))
+    return _dictversion.tag(attributes), tuple(outer), tuple(inner)
+
+
+def _retagged(sub: torch.nn.Module, shape: tuple) -> set[str]:
+    """``_changed``'s answer, from the tags (``_tags``): a module whose ``__dict__`` kept its
+    tag since the walk holds the same attributes bound to the same objects, so only the
+    objects the walk went into are read -- by their tags, a list or tuple by its members'
+    identities -- and only a module whose tag moved is compared attribute by attribute."""
+    attributes = sub.__dict__
+    own, outer, inner = shape[3]
+    if _dictversion.tag(attributes) != own:
+        return _changed(sub, shape)
+    names: set[str] = set()
+    for (name, _, ids, records), was, inner_was in zip(shape[2], outer, inner, strict=True):
+        value = attributes[name]
+        if was is not None:
+            if _tag_of(value) != was:
+                names.add(name)
+                continue
+        elif tuple(map(id, _members(value))) != ids:
+            names.add(name)
+            continue
+        if records:
+            members = tuple(_members(value))
+            for (k, _, inner_ids), t in zip(records, inner_was, strict=True):
+                x = members[k]
+                if (_tag_of(x) != t) if t is not None else (
+                        tuple(map(id, _members(x))) != inner_ids):
+                    names.add(name)
+                    break
+    return names
 
 
 def _into(sub: torch.nn.Module, seen: set[int], names=None) -> tuple:
