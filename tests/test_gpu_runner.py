@@ -138,7 +138,11 @@ def test_what_a_step_leaves_running_is_killed_when_it_ends_and_named_in_its_reco
     # A process a step started that outlives it (its own session: no process group reaches
     # it) would load the host while the next steps -- those whose figures are times -- run.
     pidfile = tmp_path / "pid"
-    left = f"setsid sleep 300 & echo $! > {pidfile}; echo started"
+    # the step ends once setsid has become the sleep (read before, the process still named
+    # itself "setsid sleep 300": under load, the record did -- .ci/run at 2c41fcf)
+    left = (f"setsid sleep 300 & echo $! > {pidfile}; "
+            "while [ \"$(cat /proc/$!/comm 2>/dev/null)\" != sleep ]; do sleep 0.01; done; "
+            "echo started")
     steps = [gpu_run.Step("leaves", ["sh", "-c", left], 30),
              gpu_run.Step("timed", ["sh", "-c", "true"], 30, alone=True)]
     monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
