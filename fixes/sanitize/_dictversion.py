@@ -21,14 +21,22 @@ import ctypes
 import sys
 from collections.abc import Callable
 
-__all__ = ["tag"]
+__all__ = ["tag", "tags"]
 
 # PyDictObject: ob_refcnt, ob_type, ma_used, then ma_version_tag (a uint64)
 _OFFSET = 3 * ctypes.sizeof(ctypes.c_ssize_t)
 
 
+_AT = ctypes.c_uint64.from_address
+
+
 def _read(d: dict) -> int:
-    return ctypes.c_uint64.from_address(id(d) + _OFFSET).value
+    return _AT(id(d) + _OFFSET).value
+
+
+def tags(dicts) -> list[int]:
+    """``tag`` of each of ``dicts``, in one pass (no Python call per dict)."""
+    return [_AT(id(d) + _OFFSET).value for d in dicts]
 
 
 class _Plain:

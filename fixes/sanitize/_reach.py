@@ -281,9 +281,11 @@ class _Kept:
         subs = [entry[0]() for entry in self.entries]
         if any(sub is None for sub in subs):
             return False
-        tagged = _dictversion.tag is not None and all(e[4][3] is not None for e in self.entries)
-        changes = [(_retagged if tagged else _changed)(sub, entry[4])
-                   for sub, entry in zip(subs, self.entries, strict=True)]
+        if _dictversion.tag is not None and all(e[4][3] is not None for e in self.entries):
+            changes = self._retagged(subs)
+        else:
+            changes = [_changed(sub, entry[4]) for sub, entry in zip(subs, self.entries,
+                                                                     strict=True)]
         if any(changes):
             seen = {i for entry, names in zip(self.entries, changes, strict=True)
                     for c in entry[4][2] if c[0] not in names for i in _ids_into(c)}
@@ -298,6 +300,24 @@ class _Kept:
                 self._join()
         self.checked = round_
         return True
+
+    def _retagged(self, subs: list[torch.nn.Module]) -> list[set[str]]:
+        """``check``'s changes from the tags (``_tags``), one pass over the modules: a module
+        whose ``__dict__`` kept its tag since the walk holds the same attributes bound to the
+        same objects, so only the objects the walk went into are read (``_gone_into``), and
+        only a module whose tag moved is compared attribute by attribute (``_changed``)."""
+        attributes = list(map(vars, subs))
+        now = _dictversion.tags(attributes)
+        changes: list[set[str]] = []
+        for sub, entry, fields, t in zip(subs, self.entries, attributes, now, strict=True):
+            shape = entry[4]
+            if t != shape[3][0]:
+                changes.append(_changed(sub, shape))
+            elif shape[2]:
+                changes.append(_gone_into(fields, shape))
+            else:
+                changes.append(set())
+        return changes
 
     def _rescan(self, i: int, names: set[str], seen: set[int]) -> bool | None:
         """Entry ``i`` with its attributes ``names`` scanned again, whole (the others where
@@ -893,46 +913,50 @@ def _tag_of(value) -> int | None:
 
 
 def _tags(attributes: dict, into: tuple) -> tuple | None:
-    """(the module's ``__dict__``'s tag, per ``_into`` record its object's tag and per object
-    among its members that one's) or None where the interpreter has no tags."""
+    """(the module's ``__dict__``'s tag, per ``_into`` record its object's tag, and per object
+    among that one's members ``(its key where the object holding it has a tag, its tag)``) or
+    None where the interpreter has no tags. The key: a kept object's member is read by it, not
+    by making a tuple of all its members (megatron's config has hundreds)."""
     if _dictversion.tag is None:
         return None
     outer, inner = [], []
     for name, _, _, records in into:
         value = attributes[name]
-        outer.append(_tag_of(value))
+        fields = _fields(value)
+        outer.append(None if fields is None else _dictversion.tag(fields))
         members = tuple(_members(value))
-        inner.append(tuple(_tag_of(members[k]) for k, _, _ in records))
+        keys = list(fields) if fields is not None and records else None
+        inner.append(tuple((keys[k] if keys is not None else None, _tag_of(members[k]))
+                           for k, _, _ in records))
     return _dictversion.tag(attributes), tuple(outer), tuple(inner)
 
 
-def _retagged(sub: torch.nn.Module, shape: tuple) -> set[str]:
-    """``_changed``'s answer, from the tags (``_tags``): a module whose ``__dict__`` kept its
-    tag since the walk holds the same attributes bound to the same objects, so only the
-    objects the walk went into are read -- by their tags, a list or tuple by its members'
-    identities -- and only a module whose tag moved is compared attribute by attribute."""
-    attributes = sub.__dict__
-    own, outer, inner = shape[3]
-    if _dictversion.tag(attributes) != own:
-        return _changed(sub, shape)
+def _gone_into(attributes: dict, shape: tuple) -> set[str]:
+    """The attributes (of a module whose ``__dict__`` kept its tag) through which the walk
+    went into an object that no longer holds what it held: by the object's tag (``_tags``), a
+    list or tuple by its members' identities; and so for the objects among its members (read
+    by key from an object whose tag held: its members are the walk's)."""
+    _, outer, inner = shape[3]
     names: set[str] = set()
     for (name, _, ids, records), was, inner_was in zip(shape[2], outer, inner, strict=True):
         value = attributes[name]
         if was is not None:
-            if _tag_of(value) != was:
+            fields = _fields(value)
+            if fields is None or _dictversion.tag(fields) != was:
                 names.add(name)
                 continue
-        elif tuple(map(id, _members(value))) != ids:
-            names.add(name)
-            continue
-        if records:
+            members = None
+        else:
             members = tuple(_members(value))
-            for (k, _, inner_ids), t in zip(records, inner_was, strict=True):
-                x = members[k]
-                if (_tag_of(x) != t) if t is not None else (
-                        tuple(map(id, _members(x))) != inner_ids):
-                    names.add(name)
-                    break
+            if tuple(map(id, members)) != ids:
+                names.add(name)
+                continue
+        for (k, _, inner_ids), (key, t) in zip(records, inner_was, strict=True):
+            x = members[k] if members is not None else fields[key]
+            if (_tag_of(x) != t) if t is not None else (
+                    tuple(map(id, _members(x))) != inner_ids):
+                names.add(name)
+                break
     return names
 
 
