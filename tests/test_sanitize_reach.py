@@ -252,6 +252,50 @@ def test_a_module_is_compared_attribute_by_attribute_only_where_its_dict_moved(m
     assert one_by_one == [model[1]] and id(model[1].late) in got
 
 
+def test_a_dict_reordered_in_place_is_read_again(compared_by):
+    """``OrderedDict.move_to_end`` reorders a dict without moving its tag, and a walk reads a
+    container's first 64 members: an LRU cache of tensors on a module, reordered, holds a
+    tensor a fresh walk finds and a walk checked by tags alone did not (a review of 6664033:
+    only exact dicts are trusted by their tag)."""
+    import collections
+
+    m = torch.nn.Linear(2, 2)
+    m.cache = collections.OrderedDict((f"k{i}", torch.full((1,), float(i))) for i in range(65))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([m], fresh=True)
+        m.cache.move_to_end("k0")
+        walks.new_round()
+        got = {id(t) for t in walks.reached([m], fresh=True)}
+    assert got == {id(t) for t in _reach.reached([m])}
+
+
+def test_a_change_between_a_shapes_ids_and_its_tags_is_not_taken_into_the_tags(monkeypatch):
+    """The tags are read after the ids they stand for: an attribute set in between (another
+    thread, a finaliser) would be in the tags and in no shape, and never seen; the ids are read
+    again after the tags, and a shape whose ids moved keeps no tags (a review of 6664033)."""
+    from fixes.sanitize import _dictversion
+
+    if _dictversion.tag is None:
+        pytest.skip(f"no dict version tags on {sys.version.split()[0]}")
+    m = torch.nn.Linear(2, 2)
+    m.cfg = {"a": 1}
+    late = torch.ones(3)
+    tags = _reach._tags
+
+    def meddling(attributes, ids, into):
+        if not hasattr(m, "extra"):
+            m.extra = late
+        return tags(attributes, ids, into)
+
+    monkeypatch.setattr(_reach, "_tags", meddling)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([m], fresh=True)
+        walks.new_round()
+        assert id(late) in {id(t) for t in walks.reached([m], fresh=True)}
+
+
 def _counting(monkeypatch) -> list:
     calls = []
     walk = _reach._walk

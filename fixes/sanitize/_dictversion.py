@@ -17,17 +17,19 @@ tag; 3.14 has no tag) -- as a self-test finds at import; the check then compares
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from collections.abc import Callable
+
+try:
+    import ctypes
+except ImportError:  # an interpreter built without _ctypes: no tags
+    ctypes = None
 
 __all__ = ["tag", "tags"]
 
 # PyDictObject: ob_refcnt, ob_type, ma_used, then ma_version_tag (a uint64)
-_OFFSET = 3 * ctypes.sizeof(ctypes.c_ssize_t)
-
-
-_AT = ctypes.c_uint64.from_address
+_OFFSET = 3 * ctypes.sizeof(ctypes.c_ssize_t) if ctypes is not None else 0
+_AT = ctypes.c_uint64.from_address if ctypes is not None else None
 
 
 def _read(d: dict) -> int:
@@ -47,7 +49,7 @@ def _behaves() -> bool:
     """Whether ``_read`` changes with every change of a dict, and of a plain object's
     ``__dict__`` through attribute stores (asked for before and after them), and differs
     between two dicts."""
-    if sys.implementation.name != "cpython":  # ``id`` is an address only there
+    if sys.implementation.name != "cpython" or ctypes is None:  # ``id``: an address there
         return False
     try:
         seen = []

@@ -281,9 +281,13 @@ class _Kept:
         subs = [entry[0]() for entry in self.entries]
         if any(sub is None for sub in subs):
             return False
+        changes = None
         if _dictversion.tag is not None and all(e[4][3] is not None for e in self.entries):
-            changes = self._retagged(subs)
-        else:
+            try:
+                changes = self._retagged(subs)
+            except Exception:  # a module's __dict__ swapped for another type, an audit hook
+                changes = None  # refusing ctypes: compared by identity
+        if changes is None:
             changes = [_changed(sub, entry[4]) for sub, entry in zip(subs, self.entries,
                                                                      strict=True)]
         if any(changes):
@@ -301,12 +305,14 @@ class _Kept:
         self.checked = round_
         return True
 
-    def _retagged(self, subs: list[torch.nn.Module]) -> list[set[str]]:
+    def _retagged(self, subs: list[torch.nn.Module]) -> list[set[str]] | None:
         """``check``'s changes from the tags (``_tags``), one pass over the modules: a module
         whose ``__dict__`` kept its tag since the walk holds the same attributes bound to the
         same objects, so only the objects the walk went into are read (``_gone_into``), and
         only a module whose tag moved is compared attribute by attribute (``_changed``)."""
         attributes = list(map(vars, subs))
+        if not all(type(a) is dict for a in attributes):
+            return None
         now = _dictversion.tags(attributes)
         changes: list[set[str]] = []
         for sub, entry, fields, t in zip(subs, self.entries, attributes, now, strict=True):
@@ -901,34 +907,53 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
 
 def _made_shape(sub: torch.nn.Module, into: tuple) -> tuple:
     attributes = sub.__dict__
-    return (tuple(attributes), tuple(map(id, attributes.values())), into,
-            _tags(attributes, into))
+    ids = tuple(map(id, attributes.values()))
+    return tuple(attributes), ids, into, _tags(attributes, ids, into)
+
+
+def _tagged(value) -> dict | None:
+    """What holds ``value``'s members where its tag says all about them: a dict itself or a
+    plain object's ``__dict__``, exact dicts only (``OrderedDict.move_to_end`` reorders one
+    without moving its tag, and a walk reads a container's first ``_WIDE`` members: a
+    review of 6664033); else None (its members compared by identity)."""
+    fields = _fields(value)
+    return fields if type(fields) is dict else None
 
 
 def _tag_of(value) -> int | None:
-    """The version tag of what holds ``value``'s members -- a dict itself, a plain object's
-    ``__dict__`` -- or None (a list or tuple: its members compared by identity)."""
-    fields = _fields(value)
+    fields = _tagged(value)
     return None if fields is None else _dictversion.tag(fields)
 
 
-def _tags(attributes: dict, into: tuple) -> tuple | None:
+def _tags(attributes: dict, ids: tuple, into: tuple) -> tuple | None:
     """(the module's ``__dict__``'s tag, per ``_into`` record its object's tag, and per object
     among that one's members ``(its key where the object holding it has a tag, its tag)``) or
-    None where the interpreter has no tags. The key: a kept object's member is read by it, not
-    by making a tuple of all its members (megatron's config has hundreds)."""
-    if _dictversion.tag is None:
+    None where the interpreter has no tags, or where the ids the shape holds (``ids``, and the
+    records' members') are not what the module and those objects hold once the tags are read:
+    a change between the two would be in the tags and in no shape (a review of 6664033). The
+    key: a kept object's member is read by it, not by making a tuple of all its members
+    (megatron's config has hundreds)."""
+    if _dictversion.tag is None or type(attributes) is not dict:
         return None
+    own = _dictversion.tag(attributes)
     outer, inner = [], []
     for name, _, _, records in into:
         value = attributes[name]
-        fields = _fields(value)
+        fields = _tagged(value)
         outer.append(None if fields is None else _dictversion.tag(fields))
         members = tuple(_members(value))
         keys = list(fields) if fields is not None and records else None
         inner.append(tuple((keys[k] if keys is not None else None, _tag_of(members[k]))
                            for k, _, _ in records))
-    return _dictversion.tag(attributes), tuple(outer), tuple(inner)
+    if tuple(map(id, attributes.values())) != ids:  # the ids again, after the tags
+        return None
+    for name, _, was, records in into:
+        members = tuple(_members(attributes[name]))
+        if tuple(map(id, members)) != was or any(
+                tuple(map(id, _members(members[k]))) != inner_ids
+                for k, _, inner_ids in records):
+            return None
+    return own, tuple(outer), tuple(inner)
 
 
 def _gone_into(attributes: dict, shape: tuple) -> set[str]:
@@ -941,7 +966,7 @@ def _gone_into(attributes: dict, shape: tuple) -> set[str]:
     for (name, _, ids, records), was, inner_was in zip(shape[2], outer, inner, strict=True):
         value = attributes[name]
         if was is not None:
-            fields = _fields(value)
+            fields = _tagged(value)
             if fields is None or _dictversion.tag(fields) != was:
                 names.add(name)
                 continue
@@ -952,7 +977,7 @@ def _gone_into(attributes: dict, shape: tuple) -> set[str]:
                 names.add(name)
                 continue
         for (k, _, inner_ids), (key, t) in zip(records, inner_was, strict=True):
-            x = members[k] if members is not None else fields[key]
+            x = members[k] if members is not None else dict.__getitem__(fields, key)
             if (_tag_of(x) != t) if t is not None else (
                     tuple(map(id, _members(x))) != inner_ids):
                 names.add(name)
