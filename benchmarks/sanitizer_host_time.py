@@ -31,7 +31,7 @@ Each stage's figure is its time per region (the flush's spread over the backward
 ``--split site,reach,judge`` times, beside them, the parts of those stages (``PARTS``: the
 functions each calls; a part can run outside its stage, as ``Reached.of`` does, and parts
 contain parts -- ``narrow`` the ``tree``, ``read`` its ``rescan`` and a ``sort`` -- so the
-parts need not add up to it, and a part a mode never runs -- the plan in ``all`` -- reads None):
+parts need not add up to it, and a part a mode never runs -- the check outside ``all`` -- reads None):
 where a stage's time goes on a host this cannot be run on step by step, as the GPU's.
 ``--layers 2,4,8,16`` builds each cell at each depth: megatron's full recompute checkpoints
 one layer per region with the whole block in its closure; a region reaches the layer its

@@ -66,10 +66,10 @@ def _rebinding_step():
 
 
 def test_split_times_each_part_beside_the_stages_and_leaves_the_totals_theirs():
-    """``--split``: each part's figure where its mode ran it, None where it did not (all: no
-    identity, no plan -- a fresh record each forward, the modules' attributes checked once a
-    round; sampled and none: the plan, no walk of the function's roots, no check), the stages
-    and their total as without it."""
+    """``--split``: each part's figure where its mode ran it, None where it did not (every
+    mode: the identity and its plan, no walk of the function's roots once the plan is made;
+    all alone: the modules' attributes checked once a round), the stages and their total as
+    without it."""
     out = sht.host_time(_rebinding_step(), steps=2, rounds=1, split=sht.PARTS)
     parts = {f"{s}.{p}" for s, ps in sht._parts().items() for p in ps}
     always = {"site.call_site", "site.watch", "reach.read", "reach.rescan", "reach.sort",
@@ -80,12 +80,9 @@ def test_split_times_each_part_beside_the_stages_and_leaves_the_totals_theirs():
         assert figures["us_per_region"] == pytest.approx(
             sum(figures["us_per_region_by_stage"].values()))
         ran = {p for p, us in figures["us_per_region_by_part"].items() if us is not None}
-        if v == "all":
-            assert always | {"reach.roots", "reach.narrow", "reach.check"} <= ran, v
-            assert not ran & {"reach.plan", "site.identity"}, v
-        else:
-            assert always | {"reach.plan", "site.identity"} <= ran, v
-            assert not ran & {"reach.roots", "reach.narrow", "reach.check"}, v
+        assert always | {"reach.plan", "site.identity"} <= ran, v
+        assert not ran & {"reach.roots", "reach.narrow"}, v
+        assert ("reach.check" in ran) == (v == "all"), v
 
 
 def test_a_regions_call_site_is_its_callers_not_the_timers():
