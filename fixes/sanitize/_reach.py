@@ -452,7 +452,7 @@ class Walks:
         self._ran: dict[tuple, list] = {}
         self.walked = 0  # fresh walks done
         self.rescanned = 0  # modules scanned again: a tensor found in them was freed
-        self.recorded = 0  # regions whose forward recorded the modules it ran
+        self.recorded = 0  # records kept (``keep_ran``; in ``all``, those a plan was made from)
 
     def new_round(self) -> None:
         self._round += 1
@@ -523,9 +523,8 @@ class Walks:
         if entry is None or not isinstance(entry[3], _Plan):
             return None
         if entry[0] is not recorded and not (
-                fresh and recorded is not None and entry[2] == self._registered
-                and self._round - entry[1] < REWALK_ROUNDS
-                and _same_alive(entry[0], recorded)):
+                fresh and recorded is not None and (kept := self.ran(key)) is not None
+                and _same_alive(kept, recorded)):
             return None
         plan = entry[3]
         listed = list(map(_CALL, plan.listed))
@@ -560,7 +559,7 @@ class Walks:
             whole, alone = narrowed(modules, ran() if callable(ran) else ran,
                                     lambda m: self._tree(m, fresh))
             if fresh and plannable and recorded is not None:  # ``all``: this record's plan
-                self._ran[key] = [recorded, self._round, self._registered, None]
+                self.keep_ran(key, recorded)
             if plannable and (entry := self._ran.get(key)) is not None \
                     and entry[0] is recorded and entry[3] is None:
                 mutable = [False]
@@ -947,12 +946,8 @@ def _tags(attributes: dict, ids: tuple, into: tuple) -> tuple | None:
                            for k, _, _ in records))
     if tuple(map(id, attributes.values())) != ids:  # the ids again, after the tags
         return None
-    for name, _, was, records in into:
-        members = tuple(_members(attributes[name]))
-        if tuple(map(id, members)) != was or any(
-                tuple(map(id, _members(members[k]))) != inner_ids
-                for k, _, inner_ids in records):
-            return None
+    if any(_moved(attributes, record) for record in into):
+        return None
     return own, tuple(outer), tuple(inner)
 
 
@@ -1024,14 +1019,19 @@ def _changed(sub: torch.nn.Module, shape: tuple) -> set[str]:
         before = dict(zip(shape[0], shape[1], strict=True))
         names.update(n for n, v in attributes.items() if before.get(n) != id(v))
         names.update(n for n in before if n not in attributes)
-    for name, _, ids, inner in shape[2]:
-        if name in names:
-            continue
-        members = tuple(_members(attributes[name]))
-        if tuple(map(id, members)) != ids or any(
-                tuple(map(id, _members(members[k]))) != inner_ids for k, _, inner_ids in inner):
-            names.add(name)
+    for record in shape[2]:
+        if record[0] not in names and _moved(attributes, record):
+            names.add(record[0])
     return names
+
+
+def _moved(attributes: dict, record: tuple) -> bool:
+    """Whether the object an ``_into`` record went into, through ``attributes``, holds other
+    members than the record's, or one of the objects among them does."""
+    name, _, ids, inner = record
+    members = tuple(_members(attributes[name]))
+    return tuple(map(id, members)) != ids or any(
+        tuple(map(id, _members(members[k]))) != inner_ids for k, _, inner_ids in inner)
 
 
 def _walk(modules: list[torch.nn.Module], alone: list[torch.nn.Module] = (),
