@@ -5,11 +5,11 @@
 ``HEADLINES`` names the cells (device kind, scenario, figures; "checkpointed stack": the
 bench's megatron-core checkpoints whose layers leak as Megatron-LM #3221; "MoE GPT": a real
 megatron-core GPT, 8 experts, full recompute; EP=2: its experts on two GPUs, rank 0's figures);
-``headline_rows`` reads each from the latest run of that scenario on that kind -- for the kind
-``gpu``, on the GPU card whose run of it is the newest (``benchmarks._views.current_gpu_view``),
-the row naming the card -- (``benchmarks._views``), one row per strategy (no reclaim, each
-verl release, the rival fixes where the family measures them, ours) with its figures and ours against it, and (given a
-``History``) whether the run is older than the code it measures
+``headline_rows`` reads each from the latest run of that scenario on that kind
+(``benchmarks._views``; for the kind ``gpu``, on the GPU card whose run of it is the newest,
+``current_gpu_view``, the row naming the card), one row per strategy (no reclaim, each verl
+release, the rival fixes where the family measures them, ours) with its figures and ours
+against it, and (given a ``History``) whether the run is older than the code it measures
 (``benchmarks._freshness``). The dashboard's summary table (``COLUMNS``: every cell, one row
 per strategy, ours against each) and the README's (``README_COLUMNS``: one row per cell it shows,
 ``peak / kept`` per strategy; written by ``update_readme`` between ``README_BEGIN`` and

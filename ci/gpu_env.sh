@@ -43,6 +43,10 @@ if [ -f .gpu/head.bundle ] && command -v git >/dev/null; then
     rm -rf .git && git init -q && git fetch -q .gpu/head.bundle HEAD && git reset -q FETCH_HEAD \
       || return 1
   fi
+  # Tracked files left out of the copy come back from the bundle (a device's copy of the tree
+  # is size-limited: the evidence folders, tens of MiB, are left out of it; missing, they made
+  # every run read "-dirty"). A file changed in the copy is left as it is.
+  git ls-files -d -z | xargs -0 -r git checkout -q -- || return 1
   export STACKFIX_COMMIT=${STACKFIX_COMMIT:-$bundled}
 fi
 export PYTHONUNBUFFERED=1
