@@ -3,6 +3,7 @@ kept copy between fresh walks, and the small state snapshot taken in one buffer 
 
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -130,8 +131,23 @@ _CHANGES = {  # what a step may do to the modules between two rounds -> (the new
 }
 
 
+@pytest.fixture(params=["tags", "identities"])
+def compared_by(request, monkeypatch):
+    """The once-a-round check by the dicts' version tags (this interpreter's, where it has
+    them) or, as where it has none, by identity."""
+    from fixes.sanitize import _dictversion
+
+    if request.param == "tags" and _dictversion.tag is None:
+        pytest.skip(f"no dict version tags on {sys.implementation.name} "
+                    f"{sys.version.split()[0]} (fixes.sanitize._dictversion's self-test)")
+    if request.param == "identities":
+        monkeypatch.setattr(_dictversion, "tag", None)
+    return request.param
+
+
 @pytest.mark.parametrize("change", list(_CHANGES))
-def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, change):
+def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, change,
+                                                                 compared_by):
     """``values="all"`` (fresh=True): a round's first region checks the kept walk -- each
     module's attributes and the members of every object the walk went into, by identity --
     instead of walking again (two walks of megatron's GPT+MTP block a step were the largest
@@ -155,7 +171,7 @@ def test_a_walk_checked_each_round_finds_what_a_fresh_walk_would(monkeypatch, ch
     assert id(new) in got and old is not None
 
 
-def test_a_checked_walk_reads_again_only_what_changed(monkeypatch):
+def test_a_checked_walk_reads_again_only_what_changed(monkeypatch, compared_by):
     """megatron's token dispatcher, a plain object of its MoE layer holding the config every
     module holds, rebinds its routing tensors every forward: the check reads the dispatcher
     again, not the config's hundreds of fields (that was most of a check on the H200)."""
@@ -177,6 +193,107 @@ def test_a_checked_walk_reads_again_only_what_changed(monkeypatch):
             assert id(routing) in got and id(config.table) in got
     assert walks.walked == 1 and walks.rescanned == 3
     assert len(reads) <= 3 * 4  # the dispatcher and its fields, not the config's
+
+
+def test_a_dicts_version_tag_moves_with_every_change_where_the_interpreter_has_one():
+    """The tag the check reads (``_dictversion``): CPython 3.11 and 3.12 keep it in every dict
+    and change it with every change, attribute stores into a plain object's ``__dict__``
+    included; the suite's interpreters have it (the check's fast path is what CI runs)."""
+    from fixes.sanitize import _dictversion
+
+    if sys.implementation.name == "cpython" and sys.version_info[:2] in ((3, 11), (3, 12)):
+        assert _dictversion.tag is not None
+    if _dictversion.tag is None:
+        pytest.skip(f"no dict version tags on {sys.version.split()[0]}")
+    m = torch.nn.Linear(2, 2)
+    fields = vars(m)
+    seen = [_dictversion.tag(fields)]
+    for change in (lambda: setattr(m, "late", torch.ones(1)),  # Module.__setattr__
+                   lambda: setattr(m, "late", torch.ones(1)),
+                   lambda: object.__setattr__(m, "other", 1),
+                   lambda: fields.__setitem__("direct", 2),
+                   lambda: delattr(m, "late")):
+        change()
+        seen.append(_dictversion.tag(fields))
+    assert len(set(seen)) == len(seen)
+
+
+def test_an_interpreter_whose_tags_do_not_move_is_not_trusted(monkeypatch):
+    """3.13 stores an attribute into an object's inline values without touching its dict's
+    tag: the self-test finds a tag that does not move, and the check compares identities."""
+    from fixes.sanitize import _dictversion
+
+    monkeypatch.setattr(_dictversion, "_read", lambda d: 7)
+    assert not _dictversion._behaves()
+
+
+def test_a_module_is_compared_attribute_by_attribute_only_where_its_dict_moved(monkeypatch):
+    """By tags, a round in which nothing changed compares no module's attributes one by one
+    (that was most of values="all"'s reach on the GPU hosts); a module given a new attribute
+    is, alone."""
+    from fixes.sanitize import _dictversion
+
+    if _dictversion.tag is None:
+        pytest.skip(f"no dict version tags on {sys.version.split()[0]}")
+    model = _model(_Config())
+    one_by_one = []
+    changed = _reach._changed
+    monkeypatch.setattr(_reach, "_changed",
+                        lambda sub, shape: one_by_one.append(sub) or changed(sub, shape))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([model], fresh=True)
+        walks.new_round()
+        walks.reached([model], fresh=True)
+        assert one_by_one == []
+        model[1].late = torch.ones(2)
+        walks.new_round()
+        got = {id(t) for t in walks.reached([model], fresh=True)}
+    assert one_by_one == [model[1]] and id(model[1].late) in got
+
+
+def test_a_dict_reordered_in_place_is_read_again(compared_by):
+    """``OrderedDict.move_to_end`` reorders a dict without moving its tag, and a walk reads a
+    container's first 64 members: an LRU cache of tensors on a module, reordered, holds a
+    tensor a fresh walk finds and a walk checked by tags alone did not (a review of 6664033:
+    only exact dicts are trusted by their tag)."""
+    import collections
+
+    m = torch.nn.Linear(2, 2)
+    m.cache = collections.OrderedDict((f"k{i}", torch.full((1,), float(i))) for i in range(65))
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([m], fresh=True)
+        m.cache.move_to_end("k0")
+        walks.new_round()
+        got = {id(t) for t in walks.reached([m], fresh=True)}
+    assert got == {id(t) for t in _reach.reached([m])}
+
+
+def test_a_change_between_a_shapes_ids_and_its_tags_is_not_taken_into_the_tags(monkeypatch):
+    """The tags are read after the ids they stand for: an attribute set in between (another
+    thread, a finaliser) would be in the tags and in no shape, and never seen; the ids are read
+    again after the tags, and a shape whose ids moved keeps no tags (a review of 6664033)."""
+    from fixes.sanitize import _dictversion
+
+    if _dictversion.tag is None:
+        pytest.skip(f"no dict version tags on {sys.version.split()[0]}")
+    m = torch.nn.Linear(2, 2)
+    m.cfg = {"a": 1}
+    late = torch.ones(3)
+    tags = _reach._tags
+
+    def meddling(attributes, ids, into):
+        if not hasattr(m, "extra"):
+            m.extra = late
+        return tags(attributes, ids, into)
+
+    monkeypatch.setattr(_reach, "_tags", meddling)
+    walks = _reach.Walks()
+    with walks.watching():
+        walks.reached([m], fresh=True)
+        walks.new_round()
+        assert id(late) in {id(t) for t in walks.reached([m], fresh=True)}
 
 
 def _counting(monkeypatch) -> list:

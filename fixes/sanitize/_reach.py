@@ -39,7 +39,9 @@ the detect tier's check of writes outside the region (``_detect``).
   ``fresh`` (the sanitizer asks it for every region in ``values="all"``) asks for a walk
   that finds what a fresh one would: once a round per set of modules the kept walk is
   checked instead of walked again -- each module's attributes, and the members of every
-  object the walk went into, by identity (``_shape``); a module that differs is scanned
+  object the walk went into, by identity (``_shape``), or, where the interpreter keeps them
+  (``_dictversion``: CPython 3.11, 3.12), by their dicts' version tags, one number a module;
+  a module that differs is scanned
   again alone, one that let go of an object it was the walk's way into makes a fresh walk.
   A fresh walk every round was the largest host cost of ``values="none"`` on megatron's MoE
   (``benchmarks/results/evidence/2026-12-03-cpu-sanitizer-host-profile/``), and, two walks
@@ -71,8 +73,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fixes.recompute import state as recompute_state
+from fixes.sanitize import _dictversion, _intended
 from fixes.sanitize import _fingerprint as fp
-from fixes.sanitize import _intended
 
 __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
            "changed_flags", "narrowed", "reached", "roots_of", "tensor_name"]
@@ -268,17 +270,26 @@ class _Kept:
     def check(self, round_: int) -> bool:
         """Whether a fresh walk would find what this one did, found without walking: each
         (sub)module's attributes and the members of every object the walk went into compared
-        by identity with the walk's (``_shape``); where some differ, those attributes alone
-        are scanned again (megatron's token dispatcher, a plain object of its MoE layer,
-        rebinds its routing tensors every forward; the config beside it is not read again).
-        False (walk anew) where a module is gone, or one let go of an object it was the
-        walk's way into (another module holding it was never walked into it)."""
-        changes = []
-        for entry in self.entries:
-            sub = entry[0]()
-            if sub is None:
-                return False
-            changes.append(_changed(sub, entry[4]))
+        with the walk's (``_shape``) -- by their dicts' version tags where the interpreter has
+        them (``_dictversion``: a module whose ``__dict__`` kept its tag holds what it held;
+        one number a module, where comparing every attribute by identity was most of
+        ``values="all"``'s reach on the GPU hosts), else by identity; where some differ, those
+        attributes alone are scanned again (megatron's token dispatcher, a plain object of its
+        MoE layer, rebinds its routing tensors every forward; the config beside it is not read
+        again). False (walk anew) where a module is gone, or one let go of an object it was
+        the walk's way into (another module holding it was never walked into it)."""
+        subs = [entry[0]() for entry in self.entries]
+        if any(sub is None for sub in subs):
+            return False
+        changes = None
+        if _dictversion.tag is not None and all(e[4][3] is not None for e in self.entries):
+            try:
+                changes = self._retagged(subs)
+            except Exception:  # a module's __dict__ swapped for another type, an audit hook
+                changes = None  # refusing ctypes: compared by identity
+        if changes is None:
+            changes = [_changed(sub, entry[4]) for sub, entry in zip(subs, self.entries,
+                                                                     strict=True)]
         if any(changes):
             seen = {i for entry, names in zip(self.entries, changes, strict=True)
                     for c in entry[4][2] if c[0] not in names for i in _ids_into(c)}
@@ -293,6 +304,26 @@ class _Kept:
                 self._join()
         self.checked = round_
         return True
+
+    def _retagged(self, subs: list[torch.nn.Module]) -> list[set[str]] | None:
+        """``check``'s changes from the tags (``_tags``), one pass over the modules: a module
+        whose ``__dict__`` kept its tag since the walk holds the same attributes bound to the
+        same objects, so only the objects the walk went into are read (``_gone_into``), and
+        only a module whose tag moved is compared attribute by attribute (``_changed``)."""
+        attributes = list(map(vars, subs))
+        if not all(type(a) is dict for a in attributes):
+            return None
+        now = _dictversion.tags(attributes)
+        changes: list[set[str]] = []
+        for sub, entry, fields, t in zip(subs, self.entries, attributes, now, strict=True):
+            shape = entry[4]
+            if t != shape[3][0]:
+                changes.append(_changed(sub, shape))
+            elif shape[2]:
+                changes.append(_gone_into(fields, shape))
+            else:
+                changes.append(set())
+        return changes
 
     def _rescan(self, i: int, names: set[str], seen: set[int]) -> bool | None:
         """Entry ``i`` with its attributes ``names`` scanned again, whole (the others where
@@ -316,7 +347,7 @@ class _Kept:
         scan = _Scan()  # what other entries went into is theirs; this one's own is read
         scan.seen.update(seen.difference(i for c in kept for i in _ids_into(c)))
         tensors, found = scan.module(sub, tuple(held.items()))
-        shape = (tuple(attributes), tuple(map(id, attributes.values())), into)
+        shape = _made_shape(sub, into)
         self.rescanned += 1
         return self._replace(i, self._entry(i, sub, tensors, found, shape))
 
@@ -421,7 +452,7 @@ class Walks:
         self._ran: dict[tuple, list] = {}
         self.walked = 0  # fresh walks done
         self.rescanned = 0  # modules scanned again: a tensor found in them was freed
-        self.recorded = 0  # regions whose forward recorded the modules it ran
+        self.recorded = 0  # records kept (``keep_ran``; in ``all``, those a plan was made from)
 
     def new_round(self) -> None:
         self._round += 1
@@ -492,9 +523,8 @@ class Walks:
         if entry is None or not isinstance(entry[3], _Plan):
             return None
         if entry[0] is not recorded and not (
-                fresh and recorded is not None and entry[2] == self._registered
-                and self._round - entry[1] < REWALK_ROUNDS
-                and _same_alive(entry[0], recorded)):
+                fresh and recorded is not None and (kept := self.ran(key)) is not None
+                and _same_alive(kept, recorded)):
             return None
         plan = entry[3]
         listed = list(map(_CALL, plan.listed))
@@ -529,7 +559,7 @@ class Walks:
             whole, alone = narrowed(modules, ran() if callable(ran) else ran,
                                     lambda m: self._tree(m, fresh))
             if fresh and plannable and recorded is not None:  # ``all``: this record's plan
-                self._ran[key] = [recorded, self._round, self._registered, None]
+                self.keep_ran(key, recorded)
             if plannable and (entry := self._ran.get(key)) is not None \
                     and entry[0] is recorded and entry[3] is None:
                 mutable = [False]
@@ -868,9 +898,86 @@ def _shape(sub: torch.nn.Module, seen: set[int]) -> tuple:
     """What a walk of ``sub`` depends on, by identity: its attributes' names and values, and
     per object among them the walk goes into (not in ``seen``: another module's way into it)
     its members, and those of the objects among its members. Equal shapes: a walk finds the
-    same tensors (those it finds are held by what is compared, so no identity is reused)."""
+    same tensors (those it finds are held by what is compared, so no identity is reused).
+    Read with them, where the interpreter has them (``_dictversion``), the version tags of
+    ``sub``'s ``__dict__`` and of those objects' (``_tags``)."""
+    return _made_shape(sub, _into(sub, seen))
+
+
+def _made_shape(sub: torch.nn.Module, into: tuple) -> tuple:
     attributes = sub.__dict__
-    return tuple(attributes), tuple(map(id, attributes.values())), _into(sub, seen)
+    ids = tuple(map(id, attributes.values()))
+    return tuple(attributes), ids, into, _tags(attributes, ids, into)
+
+
+def _tagged(value) -> dict | None:
+    """What holds ``value``'s members where its tag says all about them: a dict itself or a
+    plain object's ``__dict__``, exact dicts only (``OrderedDict.move_to_end`` reorders one
+    without moving its tag, and a walk reads a container's first ``_WIDE`` members: a
+    review of 6664033); else None (its members compared by identity)."""
+    fields = _fields(value)
+    return fields if type(fields) is dict else None
+
+
+def _tag_of(value) -> int | None:
+    fields = _tagged(value)
+    return None if fields is None else _dictversion.tag(fields)
+
+
+def _tags(attributes: dict, ids: tuple, into: tuple) -> tuple | None:
+    """(the module's ``__dict__``'s tag, per ``_into`` record its object's tag, and per object
+    among that one's members ``(its key where the object holding it has a tag, its tag)``) or
+    None where the interpreter has no tags, or where the ids the shape holds (``ids``, and the
+    records' members') are not what the module and those objects hold once the tags are read:
+    a change between the two would be in the tags and in no shape (a review of 6664033). The
+    key: a kept object's member is read by it, not by making a tuple of all its members
+    (megatron's config has hundreds)."""
+    if _dictversion.tag is None or type(attributes) is not dict:
+        return None
+    own = _dictversion.tag(attributes)
+    outer, inner = [], []
+    for name, _, _, records in into:
+        value = attributes[name]
+        fields = _tagged(value)
+        outer.append(None if fields is None else _dictversion.tag(fields))
+        members = tuple(_members(value))
+        keys = list(fields) if fields is not None and records else None
+        inner.append(tuple((keys[k] if keys is not None else None, _tag_of(members[k]))
+                           for k, _, _ in records))
+    if tuple(map(id, attributes.values())) != ids:  # the ids again, after the tags
+        return None
+    if any(_moved(attributes, record) for record in into):
+        return None
+    return own, tuple(outer), tuple(inner)
+
+
+def _gone_into(attributes: dict, shape: tuple) -> set[str]:
+    """The attributes (of a module whose ``__dict__`` kept its tag) through which the walk
+    went into an object that no longer holds what it held: by the object's tag (``_tags``), a
+    list or tuple by its members' identities; and so for the objects among its members (read
+    by key from an object whose tag held: its members are the walk's)."""
+    _, outer, inner = shape[3]
+    names: set[str] = set()
+    for (name, _, ids, records), was, inner_was in zip(shape[2], outer, inner, strict=True):
+        value = attributes[name]
+        if was is not None:
+            fields = _tagged(value)
+            if fields is None or _dictversion.tag(fields) != was:
+                names.add(name)
+                continue
+            members = None
+        else:
+            members = tuple(_members(value))
+            if tuple(map(id, members)) != ids:
+                names.add(name)
+                continue
+        for (k, _, inner_ids), (key, t) in zip(records, inner_was, strict=True):
+            x = members[k] if members is not None else dict.__getitem__(fields, key)
+            if (_tag_of(x) != t) if t is not None else (
+                    tuple(map(id, _members(x))) != inner_ids):
+                names.add(name)
+                break
+    return names
 
 
 def _into(sub: torch.nn.Module, seen: set[int], names=None) -> tuple:
@@ -912,14 +1019,19 @@ def _changed(sub: torch.nn.Module, shape: tuple) -> set[str]:
         before = dict(zip(shape[0], shape[1], strict=True))
         names.update(n for n, v in attributes.items() if before.get(n) != id(v))
         names.update(n for n in before if n not in attributes)
-    for name, _, ids, inner in shape[2]:
-        if name in names:
-            continue
-        members = tuple(_members(attributes[name]))
-        if tuple(map(id, members)) != ids or any(
-                tuple(map(id, _members(members[k]))) != inner_ids for k, _, inner_ids in inner):
-            names.add(name)
+    for record in shape[2]:
+        if record[0] not in names and _moved(attributes, record):
+            names.add(record[0])
     return names
+
+
+def _moved(attributes: dict, record: tuple) -> bool:
+    """Whether the object an ``_into`` record went into, through ``attributes``, holds other
+    members than the record's, or one of the objects among them does."""
+    name, _, ids, inner = record
+    members = tuple(_members(attributes[name]))
+    return tuple(map(id, members)) != ids or any(
+        tuple(map(id, _members(members[k]))) != inner_ids for k, _, inner_ids in inner)
 
 
 def _walk(modules: list[torch.nn.Module], alone: list[torch.nn.Module] = (),
