@@ -464,3 +464,26 @@ def test_shared_types_live_in_a_leaf_module_the_fork_server_does_not_import_isol
     leaf = inspect.getmodule(isolated.IsolatedResult)
     assert leaf is not isolated and not repro_imports(leaf), leaf
     assert forkserver_request.IsolatedResult is isolated.IsolatedResult
+
+
+def test_a_process_ends_the_servers_it_started_before_it_exits():
+    """A process that used fork servers closes them at its exit and waits for them: none is
+    left running once it has exited, and no socket or ``Popen`` is left for the collector
+    (``tox -e cpu`` printed "ResourceWarning: unclosed <socket.socket ...>" and "subprocess N
+    is still running" as its workers exited, and the GPU runner found a server still running
+    after every pytest step that used one, killing it as ``left_running``)."""
+    import subprocess
+    import sys
+
+    code = ("from repro import run_isolated; from repro.harness import forkserver; "
+            "r = run_isolated(code='print(1)', forkserver='torch', timeout=120); "
+            "assert r.ok and r.stdout == '1\\n', r; "
+            "print(*(c.session for c in forkserver._servers.values()))")
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    sessions = [int(s) for s in done.stdout.split()]
+    assert sessions  # the spmd server and the torch one forked from it
+    assert [s for s in sessions if forkserver._running(s)] == []
+    assert "ResourceWarning" not in done.stderr, done.stderr

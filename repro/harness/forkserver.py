@@ -89,6 +89,7 @@ turns it off (everything is spawned).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -145,6 +146,7 @@ _BASE = {
 _SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 MAX_MESSAGE = 1 << 20
 _READY_TIMEOUT = 300.0
+_CLOSE_TIMEOUT = 10.0  # a server's own shutdown at its client's exit (``_close_servers``)
 
 
 def enabled() -> bool:
@@ -372,3 +374,30 @@ def _connected(profile: str) -> _Client | None:
             warnings.warn(f"{exc}; children are spawned instead", RuntimeWarning, stacklevel=3)
             return None
         return client
+
+
+@atexit.register
+def _close_servers(timeout: float = _CLOSE_TIMEOUT) -> None:
+    """At this process's exit, the servers it started (``_servers``; a forked copy of it has
+    none of its own) closed, all at once, and waited for: each ends as its connection closes,
+    and one still running after ``timeout`` is killed with its session. Left to the kernel's
+    closing of the sockets, a server outlived its client by its own shutdown -- the GPU runner
+    found one running after every pytest step that used one -- and the collector met the open
+    sockets and the spawned server's ``Popen`` (``ResourceWarning``s as pytest's workers
+    exited)."""
+    mine = [c for c in _servers.values() if c.pid == os.getpid()]
+    for client in mine:
+        client.sock.close()
+    deadline = time.monotonic() + timeout
+    for client in mine:
+        try:
+            client.close(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        if _running(client.session):
+            try:
+                os.killpg(client.session, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if client.proc is not None:
+                client.proc.wait()
