@@ -219,13 +219,7 @@ class _Client:
             mine.close()
             # Its session (and process group) has its pid: a preload that hangs, or started
             # something, is ended with it. Never wait for a server that is still running.
-            if pid is not None:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if proc is not None:
-                proc.wait()
+            _kill_session(pid, proc)
             if ready and ready.startswith(b"{"):
                 raise UnsafePreload(profile, json.loads(ready))
             if ready is None:
@@ -256,6 +250,18 @@ class _Client:
         deadline = time.monotonic() + timeout
         while _running(self.session) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _kill_session(session: int | None, proc: subprocess.Popen | None) -> None:
+    """A server ended with its session (its pid: what it started too), and reaped where it is
+    this process's child."""
+    if session is not None:
+        try:
+            os.killpg(session, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc is not None:
+        proc.wait()
 
 
 def _recv_until(sock: socket.socket, deadline: float) -> bytes | None:
@@ -395,9 +401,4 @@ def _close_servers(timeout: float = _CLOSE_TIMEOUT) -> None:
         except subprocess.TimeoutExpired:
             pass
         if _running(client.session):
-            try:
-                os.killpg(client.session, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if client.proc is not None:
-                client.proc.wait()
+            _kill_session(client.session, client.proc)
