@@ -184,3 +184,53 @@ def test_a_region_argument_a_volatile_module_also_holds_keeps_bits():
         found = walks.reach([model, arg], fresh=False)
     assert walks.rescanned == 1
     assert id(arg) in {id(t) for t in found.small}
+
+
+def test_arguments_made_anew_for_each_region_go_to_the_counter_those_passed_again_keep_bits():
+    """A region's small tensor arguments (``Walks._rebound_arguments``): megatron passes its
+    attention's mask type as a new one-element tensor each call -- compared by counter from
+    its identity's second region on; a tensor passed again (a buffer handed to the function)
+    and every argument of the identity's first region keep their bits compared."""
+    walks = _reach.Walks()
+    buffer = torch.zeros(3)
+
+    def region(x, mask_type, stats):
+        return x
+
+    def reach(fresh):
+        found = walks.reach([region, fresh, buffer], fresh=False, key=("site", 0, "identity"))
+        return {id(t) for t in found.small}, {id(t) for t in found.versioned}
+
+    first = torch.tensor([1], dtype=torch.int32)
+    small, versioned = reach(first)
+    assert {id(first), id(buffer)} <= small and not versioned & {id(first), id(buffer)}
+    del first  # the last step's, freed (its id may be the next one's)
+    for _ in range(3):
+        fresh = torch.tensor([1], dtype=torch.int32)
+        small, versioned = reach(fresh)
+        assert id(fresh) in versioned and id(fresh) not in small
+        assert id(buffer) in small and id(buffer) not in versioned
+    other = walks.reach([region, torch.ones(1), buffer], fresh=False, key=("site", 1, "id"))
+    assert {id(t) for t in other.small} >= {id(buffer)} and len(other.small) == 2  # its first
+
+
+def test_functional_batch_norm_into_buffers_passed_as_arguments_is_caught_every_step():
+    """Running statistics handed to the region as its arguments, the same tensors each step,
+    updated by torch's own batch_norm (no counter bump): the recompute's second update is a
+    write outside the region, found in every step -- not only in the identity's first."""
+    mean, var = torch.zeros(3), torch.ones(3)
+    weight = torch.nn.Parameter(torch.ones(3))
+
+    def region(x, running_mean, running_var):
+        return F.batch_norm(x, running_mean, running_var, weight, training=True)
+
+    caught = 0
+    with recompute_sanitizer(values="none"):
+        for _ in range(4):
+            x = torch.randn(4, 3, requires_grad=True)
+            try:
+                checkpoint(region, x, mean, var, use_reentrant=False).sum().backward()
+            except RecomputeMismatchError as exc:
+                assert "outside the region" in str(exc)
+                caught += 1
+    assert caught == 4

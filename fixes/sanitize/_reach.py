@@ -450,6 +450,9 @@ class Walks:
         # region identity (call site, position, ``_ran.identity``) -> [the modules its forward
         # ran, weakly; the round recorded; registrations then; its ``_Plan`` or None]
         self._ran: dict[tuple, list] = {}
+        # region identity -> (the round recorded, its small tensor arguments, weakly):
+        # ``_rebound_arguments``
+        self._arguments: dict[tuple, tuple[int, list[weakref.ref]]] = {}
         self.walked = 0  # fresh walks done
         self.rescanned = 0  # modules scanned again: a tensor found in them was freed
         self.recorded = 0  # records kept (``keep_ran``; in ``all``, those a plan was made from)
@@ -463,6 +466,8 @@ class Walks:
                            if self._round - kept[2] < REWALK_ROUNDS}
             self._ran = {k: kept for k, kept in self._ran.items()
                          if self._round - kept[1] < REWALK_ROUNDS}
+            self._arguments = {k: kept for k, kept in self._arguments.items()
+                               if self._round - kept[0] < REWALK_ROUNDS}
 
     def ran(self, key: tuple) -> list[weakref.ref] | None:
         """The modules the forward of the region ``key`` (its identity) ran when last recorded
@@ -584,9 +589,37 @@ class Walks:
             known = kept.known()
             own = Reached.of([t for i, t in tensors.items()
                               if i not in known and i not in kept.apart])
+            if own.small and key is not None:
+                self._rebound_arguments(key, roots, own)
             found.small += own.small
             found.versioned += own.versioned
         return found
+
+    def _rebound_arguments(self, key: tuple, roots, own: Reached) -> None:
+        """The small tensors among a region's arguments (``roots[1:]``) that are other tensors
+        than its identity's last region passed (rebound: megatron makes its attention's mask
+        type a new one-element tensor each call) moved from ``own.small`` to
+        ``own.versioned``: compared by counter where they have one (``_by_counter``), as a
+        rebound value of a module is (``_Kept.rebound``). Snapshotting their bits at each
+        recompute's start and end and comparing them at the backward's end was half of a
+        region's ``values="none"`` host time on megatron's selective recompute. An argument
+        passed again (a buffer handed to the function, the same tensor each step) keeps its
+        bits compared, and so does every argument of an identity's first region. What this
+        gives up: a write that bypasses the counter (``.data``, a kernel's unannounced output)
+        into a small argument made anew for each call."""
+        args = {id(t) for t in itertools.islice(roots, 1, None)}
+        small = [t for t in own.small if id(t) in args]
+        if not small:
+            return
+        before = self._arguments.get(key)
+        self._arguments[key] = (self._round, list(map(weakref.ref, small)))
+        if before is None:
+            return
+        passed = {id(t) for t in map(_CALL, before[1]) if t is not None}  # alive: the same
+        rebound = {id(t) for t in small if id(t) not in passed and _by_counter(t)}
+        if rebound:
+            own.versioned += [t for t in own.small if id(t) in rebound]
+            own.small = [t for t in own.small if id(t) not in rebound]
 
     def reached(self, roots, fresh: bool, ran=None) -> list[torch.Tensor]:
         return list(self.reach(roots, fresh, ran))
