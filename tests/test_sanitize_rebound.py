@@ -234,3 +234,57 @@ def test_functional_batch_norm_into_buffers_passed_as_arguments_is_caught_every_
                 assert "outside the region" in str(exc)
                 caught += 1
     assert caught == 4
+
+
+def _batch_norm_region(x, running_mean, running_var):
+    weight = torch.ones(3)
+    return F.batch_norm(x, running_mean, running_var, weight, training=True)
+
+
+def _caught_each_step(arguments, steps: int = 4) -> int:
+    """Steps (of ``steps``) whose backward raised: functional batch norm into the running
+    statistics ``arguments(step)`` gives the region, under ``values="none"``."""
+    caught = 0
+    with recompute_sanitizer(values="none"):
+        for step in range(steps):
+            x = torch.randn(4, 3, requires_grad=True)
+            try:
+                checkpoint(_batch_norm_region, x, *arguments(step),
+                           use_reentrant=False).sum().backward()
+            except RecomputeMismatchError:
+                caught += 1
+    return caught
+
+
+@pytest.mark.parametrize("made", ["row", "slice", "detach"])
+def test_persistent_statistics_passed_as_a_new_view_each_call_are_caught_every_step(made):
+    """A review of the first version, which told a new argument by its tensor object: stacked
+    per-layer statistics passed as ``stats[i]`` (or ``stats[i, :]``, or ``.detach()``) are a
+    new tensor each call over the same storage; sent to the counter from the second step, the
+    recompute's second update went unseen (caught 1 of 4)."""
+    mean, var = torch.zeros(2, 3), torch.ones(2, 3)
+    view = {"row": lambda t: t[0], "slice": lambda t: t[0, :],
+            "detach": lambda t: t[0].detach()}[made]
+    assert _caught_each_step(lambda step: (view(mean), view(var))) == 4
+
+
+def test_other_persistent_statistics_at_the_same_slot_each_step_are_caught_every_step():
+    """The same review: one call site whose layers alternate from step to step passes another
+    layer's buffers at the same round position (the same identity) -- each still alive, so
+    none is taken for an argument made anew (caught 1 of 6 by the first version)."""
+    means, variances = [torch.zeros(3), torch.zeros(3)], [torch.ones(3), torch.ones(3)]
+    assert _caught_each_step(lambda step: (means[step % 2], variances[step % 2]), 6) == 6
+
+
+def test_without_one_python_object_per_storage_every_argument_keeps_its_bits(monkeypatch):
+    monkeypatch.setattr(_reach, "_STORAGE_KEPT", False)
+    walks = _reach.Walks()
+
+    def region(x, mask_type):
+        return x
+
+    for _ in range(3):
+        fresh = torch.tensor([1], dtype=torch.int32)
+        found = walks.reach([region, fresh], fresh=False, key=("site", 0, "identity"))
+        assert any(t is fresh for t in found.small)
+    assert _reach._storage_kept()  # this torch keeps them (the GPU image's too, by its tests)
