@@ -20,8 +20,8 @@ Per region (a ``Watch``):
   the same live modules, ``_reach._Plan``) -- small
   non-parameter ones by their contents before and after (batch norm updates its running
   statistics without bumping their version counter) -- but a value rebound since its
-  module's last scan and a small argument other than the one its identity's last region was
-  passed (``Walks._rebound_arguments``) -- the others by version counter
+  module's last scan and a small argument made anew for each call (told by its storage,
+  ``Walks._rebound_arguments``) -- the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
   registered, for at most ``REWALK_ROUNDS`` steps; in ``all`` checked once a step against the
   modules' attributes -- by their dicts' version tags where CPython has them
