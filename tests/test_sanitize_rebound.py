@@ -184,3 +184,107 @@ def test_a_region_argument_a_volatile_module_also_holds_keeps_bits():
         found = walks.reach([model, arg], fresh=False)
     assert walks.rescanned == 1
     assert id(arg) in {id(t) for t in found.small}
+
+
+def test_arguments_made_anew_for_each_region_go_to_the_counter_those_passed_again_keep_bits():
+    """A region's small tensor arguments (``Walks._rebound_arguments``): megatron passes its
+    attention's mask type as a new one-element tensor each call -- compared by counter from
+    its identity's second region on; a tensor passed again (a buffer handed to the function)
+    and every argument of the identity's first region keep their bits compared."""
+    walks = _reach.Walks()
+    buffer = torch.zeros(3)
+
+    def region(x, mask_type, stats):
+        return x
+
+    def reach(fresh):
+        found = walks.reach([region, fresh, buffer], fresh=False, key=("site", 0, "identity"))
+        return {id(t) for t in found.small}, {id(t) for t in found.versioned}
+
+    first = torch.tensor([1], dtype=torch.int32)
+    small, versioned = reach(first)
+    assert {id(first), id(buffer)} <= small and not versioned & {id(first), id(buffer)}
+    del first  # the last step's, freed (its id may be the next one's)
+    for _ in range(3):
+        fresh = torch.tensor([1], dtype=torch.int32)
+        small, versioned = reach(fresh)
+        assert id(fresh) in versioned and id(fresh) not in small
+        assert id(buffer) in small and id(buffer) not in versioned
+    other = walks.reach([region, torch.ones(1), buffer], fresh=False, key=("site", 1, "id"))
+    assert {id(t) for t in other.small} >= {id(buffer)} and len(other.small) == 2  # its first
+
+
+def test_functional_batch_norm_into_buffers_passed_as_arguments_is_caught_every_step():
+    """Running statistics handed to the region as its arguments, the same tensors each step,
+    updated by torch's own batch_norm (no counter bump): the recompute's second update is a
+    write outside the region, found in every step -- not only in the identity's first."""
+    mean, var = torch.zeros(3), torch.ones(3)
+    weight = torch.nn.Parameter(torch.ones(3))
+
+    def region(x, running_mean, running_var):
+        return F.batch_norm(x, running_mean, running_var, weight, training=True)
+
+    caught = 0
+    with recompute_sanitizer(values="none"):
+        for _ in range(4):
+            x = torch.randn(4, 3, requires_grad=True)
+            try:
+                checkpoint(region, x, mean, var, use_reentrant=False).sum().backward()
+            except RecomputeMismatchError as exc:
+                assert "outside the region" in str(exc)
+                caught += 1
+    assert caught == 4
+
+
+def _batch_norm_region(x, running_mean, running_var):
+    weight = torch.ones(3)
+    return F.batch_norm(x, running_mean, running_var, weight, training=True)
+
+
+def _caught_each_step(arguments, steps: int = 4) -> int:
+    """Steps (of ``steps``) whose backward raised: functional batch norm into the running
+    statistics ``arguments(step)`` gives the region, under ``values="none"``."""
+    caught = 0
+    with recompute_sanitizer(values="none"):
+        for step in range(steps):
+            x = torch.randn(4, 3, requires_grad=True)
+            try:
+                checkpoint(_batch_norm_region, x, *arguments(step),
+                           use_reentrant=False).sum().backward()
+            except RecomputeMismatchError:
+                caught += 1
+    return caught
+
+
+@pytest.mark.parametrize("made", ["row", "slice", "detach"])
+def test_persistent_statistics_passed_as_a_new_view_each_call_are_caught_every_step(made):
+    """A review of the first version, which told a new argument by its tensor object: stacked
+    per-layer statistics passed as ``stats[i]`` (or ``stats[i, :]``, or ``.detach()``) are a
+    new tensor each call over the same storage; sent to the counter from the second step, the
+    recompute's second update went unseen (caught 1 of 4)."""
+    mean, var = torch.zeros(2, 3), torch.ones(2, 3)
+    view = {"row": lambda t: t[0], "slice": lambda t: t[0, :],
+            "detach": lambda t: t[0].detach()}[made]
+    assert _caught_each_step(lambda step: (view(mean), view(var))) == 4
+
+
+def test_other_persistent_statistics_at_the_same_slot_each_step_are_caught_every_step():
+    """The same review: one call site whose layers alternate from step to step passes another
+    layer's buffers at the same round position (the same identity) -- each still alive, so
+    none is taken for an argument made anew (caught 1 of 6 by the first version)."""
+    means, variances = [torch.zeros(3), torch.zeros(3)], [torch.ones(3), torch.ones(3)]
+    assert _caught_each_step(lambda step: (means[step % 2], variances[step % 2]), 6) == 6
+
+
+def test_without_one_python_object_per_storage_every_argument_keeps_its_bits(monkeypatch):
+    monkeypatch.setattr(_reach, "_STORAGE_KEPT", False)
+    walks = _reach.Walks()
+
+    def region(x, mask_type):
+        return x
+
+    for _ in range(3):
+        fresh = torch.tensor([1], dtype=torch.int32)
+        found = walks.reach([region, fresh], fresh=False, key=("site", 0, "identity"))
+        assert any(t is fresh for t in found.small)
+    assert _reach._storage_kept()  # this torch keeps them (the GPU image's too, by its tests)

@@ -57,14 +57,33 @@ def _described(path: str, line: int, name: str) -> str | None:
     return f"{_short_path(path)}:{line} in {name}"
 
 
+# (id of a code object, an instruction offset in it) -> (the code object, its frame's entry):
+# the code object is held, so its id is not reused while the entry stands
+_AT: dict[tuple[int, int], tuple[object, str | None]] = {}
+_AT_LIMIT = 1 << 14
+
+
+def _entry_at(frame) -> str | None:
+    """``_described`` of ``frame``, looked up by its code object and instruction offset:
+    ``f_lineno`` decodes the code's line table (the longer the function, the longer it takes:
+    megatron's layers' forwards), which was most of a region's call site."""
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    hit = _AT.get(key)
+    if hit is None:
+        if len(_AT) >= _AT_LIMIT:
+            _AT.clear()
+        hit = _AT[key] = (code, _described(code.co_filename, frame.f_lineno, code.co_name))
+    return hit[1]
+
+
 def call_site(depth: int = 4) -> tuple[str, ...]:
     """Up to ``depth`` frames of the current Python stack outside torch, contextlib and this
     package, innermost first."""
     frame = sys._getframe(1)
     site: list[str] = []
     while frame is not None and len(site) < depth:
-        code = frame.f_code
-        entry = _described(code.co_filename, frame.f_lineno, code.co_name)
+        entry = _entry_at(frame)
         if entry is not None:
             site.append(entry)
         frame = frame.f_back

@@ -19,10 +19,13 @@ Per region (a ``Watch``):
   ``all`` each forward's own record, narrowed as the identity's last one was where both list
   the same live modules, ``_reach._Plan``) -- small
   non-parameter ones by their contents before and after (batch norm updates its running
-  statistics without bumping their version counter), the others by version counter
+  statistics without bumping their version counter) -- but a value rebound since its
+  module's last scan and a small argument made anew for each call (told by its storage,
+  ``Walks._rebound_arguments``) -- the others by version counter
   (``_reach``: the walk of the modules is kept while no parameter, buffer or module is
   registered, for at most ``REWALK_ROUNDS`` steps; in ``all`` checked once a step against the
-  modules' attributes by identity, so it finds what a fresh walk would; in the other modes a
+  modules' attributes -- by their dicts' version tags where CPython has them
+  (``_dictversion``), else by identity -- so it finds what a fresh walk would; in the other modes a
   module is scanned again when a tensor found in it is freed).
 
 Not seen: state the region does not reach that way (a global tracker, a tensor behind an

@@ -92,6 +92,18 @@ _NOTHING = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
 REWALK_ROUNDS = 16  # a kept walk's most rounds (see the module docstring)
 _VERSION = operator.attrgetter("_version")
 _CALL = operator.call  # a weak reference's referent, in map: no Python call per reference
+_SLOT_STORAGES = 8  # per argument slot, the storages kept (weakly) that are still alive
+
+
+def _storage_kept() -> bool:
+    """Whether torch keeps one Python object per storage while the storage lives (a weak
+    reference to it then says when the storage is freed: ``Walks._rebound_arguments``)."""
+    t = torch.zeros(1)
+    ref = weakref.ref(t.untyped_storage())
+    return ref() is not None and ref() is t.untyped_storage()
+
+
+_STORAGE_KEPT = _storage_kept()
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 _DATA_PTR = operator.methodcaller("data_ptr")
 
@@ -450,6 +462,10 @@ class Walks:
         # region identity (call site, position, ``_ran.identity``) -> [the modules its forward
         # ran, weakly; the round recorded; registrations then; its ``_Plan`` or None]
         self._ran: dict[tuple, list] = {}
+        # region identity -> (the round last read, per argument slot the storages of the
+        # small tensor arguments it was passed, weakly, the last one last):
+        # ``_rebound_arguments``
+        self._arguments: dict[tuple, tuple[int, dict[int, list[weakref.ref]]]] = {}
         self.walked = 0  # fresh walks done
         self.rescanned = 0  # modules scanned again: a tensor found in them was freed
         self.recorded = 0  # records kept (``keep_ran``; in ``all``, those a plan was made from)
@@ -463,6 +479,8 @@ class Walks:
                            if self._round - kept[2] < REWALK_ROUNDS}
             self._ran = {k: kept for k, kept in self._ran.items()
                          if self._round - kept[1] < REWALK_ROUNDS}
+            self._arguments = {k: kept for k, kept in self._arguments.items()
+                               if self._round - kept[0] < REWALK_ROUNDS}
 
     def ran(self, key: tuple) -> list[weakref.ref] | None:
         """The modules the forward of the region ``key`` (its identity) ran when last recorded
@@ -584,9 +602,65 @@ class Walks:
             known = kept.known()
             own = Reached.of([t for i, t in tensors.items()
                               if i not in known and i not in kept.apart])
+            if own.small and key is not None:
+                self._rebound_arguments(key, roots, own)
             found.small += own.small
             found.versioned += own.versioned
         return found
+
+    def _rebound_arguments(self, key: tuple, roots, own: Reached) -> None:
+        """The small tensors among a region's arguments (``roots[1:]``) made anew for each call
+        moved from ``own.small`` to ``own.versioned``: compared by counter (``_by_counter``), as
+        a module's rebound values are (``_Kept.rebound``). Megatron makes its attention's mask
+        type a new one-element tensor each call; snapshotting its bits at each recompute's
+        start and end and comparing them at the backward's end was half of a region's
+        ``values="none"`` host time on its selective recompute.
+
+        Made anew is told by storage, per argument slot of the region identity: an argument
+        goes to the counter where the storage the slot last held has been freed and its own
+        was not seen in the slot before (the mask: each call's storage gone by the next
+        step's backward). One whose storage the slot held before, or beside a storage still
+        alive -- a buffer handed to the function, a view or ``detach()`` of one made per call
+        (a review of the first version, which told arguments by tensor object: stacked
+        statistics passed as ``stats[i]`` were then written twice unseen), other layers'
+        buffers at a slot whose layers change from step to step -- keeps its bits compared,
+        as does every argument of a slot's first region, and all of them where torch does not
+        keep one Python object per storage (``_STORAGE_KEPT``). What this gives up: a write
+        that bypasses the counter (``.data``, a kernel's unannounced output) into a small
+        argument made anew for each call."""
+        if not _STORAGE_KEPT:
+            return
+        small = {id(t) for t in own.small}
+        now: dict[int, tuple[torch.Tensor, object]] = {}
+        for i, t in enumerate(itertools.islice(roots, 1, None)):
+            if id(t) in small and _by_counter(t):
+                try:
+                    now[i] = (t, t.untyped_storage())
+                except (RuntimeError, NotImplementedError, TypeError):  # a subclass's own
+                    continue
+        if not now:
+            return
+        entry = self._arguments.get(key)
+        slots: dict[int, list[weakref.ref]] = entry[1] if entry is not None else {}
+        self._arguments[key] = (self._round, slots)
+        rebound: set[int] = set()
+        for i, (t, storage) in now.items():
+            seen = slots.get(i)
+            if seen is None:  # the slot's first region: its bits
+                slots[i] = [weakref.ref(storage)]
+                continue
+            alive = [s for s in map(_CALL, seen) if s is not None]
+            if not any(s is storage for s in alive):
+                if seen[-1]() is None:  # the last one freed: made anew for each call
+                    rebound.add(id(t))
+                # kept as the slot's last; at most ``_SLOT_STORAGES`` alive ones before it
+                slots[i] = [*map(weakref.ref, alive[-(_SLOT_STORAGES - 1):]),
+                            weakref.ref(storage)]
+            elif len(alive) < len(seen):  # let go of the freed ones
+                slots[i] = [weakref.ref(s) for s in alive]
+        if rebound:
+            own.versioned += [t for t in own.small if id(t) in rebound]
+            own.small = [t for t in own.small if id(t) not in rebound]
 
     def reached(self, roots, fresh: bool, ran=None) -> list[torch.Tensor]:
         return list(self.reach(roots, fresh, ran))
