@@ -41,14 +41,54 @@ import types
 
 import torch
 
-__all__ = ["ModulesRun", "identity"]
+__all__ = ["ModulesRun", "by_value", "frozen", "identity"]
 
 _VALUES = (type(None), bool, int, float, str, bytes)  # compared by value, not by object
+_CONTAINERS = (list, tuple, dict)  # exactly these types, not subclasses
+_FROZEN_ITEMS = 8  # a container's most items read for its value
+_FROZEN_DEPTH = 2  # containers in containers, at most
+_NOT_FROZEN = object()
+
+
+def frozen(obj, depth: int = 0) -> object:
+    """``obj`` as a value: a plain value (``_VALUES``) with its type (1, 1.0 and True told
+    apart), or a list, tuple or dict of at most ``_FROZEN_ITEMS`` such values (and such
+    containers, ``_FROZEN_DEPTH`` levels deep), with its type and items in order (a dict's
+    keys plain values too); ``_NOT_FROZEN`` for anything else. Why: megatron-core 0.19's
+    selective attention recompute closes over a new ``{}`` and ``[]`` each call
+    (``core_attention_extra_kwargs``, ``tensor_kwarg_names``); told by object, each call was
+    a new identity, and nothing read from the identity's last region held (the modules its
+    forward ran, its plan, its arguments' slots). Nothing under such a container can be
+    reached (``_reach._roots`` skips it), and one holding anything else -- a tensor, a module,
+    a callable -- is told by object, so a tensor put into it later makes another identity."""
+    kind = type(obj)
+    if kind in _VALUES:
+        return kind, obj
+    if kind not in _CONTAINERS or depth >= _FROZEN_DEPTH or len(obj) > _FROZEN_ITEMS:
+        return _NOT_FROZEN
+    items = obj.items() if kind is dict else obj
+    out = []
+    for item in items:
+        if kind is dict:
+            key, item = item
+            if type(key) not in _VALUES:
+                return _NOT_FROZEN
+            out.append((type(key), key))
+        value = frozen(item, depth + 1)
+        if value is _NOT_FROZEN:
+            return _NOT_FROZEN
+        out.append(value)
+    return kind, tuple(out)
+
+
+def by_value(obj) -> bool:
+    """``obj`` is told by its value in a region's identity (``frozen``)."""
+    return frozen(obj) is not _NOT_FROZEN
 
 
 def _part(obj) -> object:
-    kind = type(obj)
-    return (kind, obj) if kind in _VALUES else id(obj)  # 1, 1.0 and True told apart
+    value = frozen(obj)
+    return id(obj) if value is _NOT_FROZEN else value
 
 
 def _cell(cell) -> object:
@@ -62,8 +102,9 @@ def identity(fn, args=(), kwargs=None) -> tuple:
     """What tells a region's function apart from another's at one call site, by identity, not
     by reading it: a module or other callable object itself; a bound method's function and
     object; a function's code and what its closure cells and default arguments hold; a
-    partial's function and arguments -- plain values (None, bool, int, float, str, bytes) by
-    value, anything else by identity -- and the region's plain arguments (megatron's
+    partial's function and arguments -- plain values (None, bool, int, float, str, bytes), and
+    small lists, tuples and dicts of them (``frozen``), by value, anything else by identity --
+    and the region's plain arguments (megatron's
     ``custom(start, end)`` makes a new closure per layer each step: its code and cells'
     contents are the layer's). Equal
     identities at one call site and round position are taken to run the same modules

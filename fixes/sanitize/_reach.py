@@ -66,6 +66,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import types
 import weakref
 from collections.abc import Iterator
 
@@ -75,6 +76,7 @@ from torch.utils import _pytree as pytree
 from fixes.recompute import state as recompute_state
 from fixes.sanitize import _dictversion, _intended
 from fixes.sanitize import _fingerprint as fp
+from fixes.sanitize._ran import by_value
 
 __all__ = ["REWALK_ROUNDS", "SMALL_STATE_BYTES", "Reached", "State", "Walks", "any_changed",
            "changed_flags", "narrowed", "reached", "roots_of", "tensor_name"]
@@ -817,16 +819,30 @@ def _roots(roots, mutable: list | None = None,
                 mutable[:] = [True]
             seen.add(id(obj))
             visit(getattr(obj, "__self__", None), depth + 1)
+            # the region's function: its identity (``_ran.identity``) holds each closure cell
+            # and default that is a small container of plain values by its value -- nothing
+            # under it to reach, and another value is another identity, so it is no mutable
+            # path to a plan (megatron-core 0.19's attention closes over a new ``{}`` and
+            # ``[]`` each call)
+            pinned = depth == 0 and type(obj) is types.FunctionType
             for cell in getattr(obj, "__closure__", None) or ():
                 try:
-                    visit(cell.cell_contents, depth + 1)
+                    contents = cell.cell_contents
                 except ValueError:  # an empty cell
-                    pass
+                    continue
+                if not (pinned and by_value(contents)):
+                    visit(contents, depth + 1)
             # ``def f(h, layer=layer)``: a loop's layer bound by a default argument
-            for defaults in (getattr(obj, "__defaults__", None),
-                             getattr(obj, "__kwdefaults__", None)):
-                if defaults:
-                    visit(defaults, depth + 1)
+            defaults = getattr(obj, "__defaults__", None)
+            if defaults and pinned:
+                for value in defaults:
+                    if not by_value(value):
+                        visit(value, depth + 2)  # where the tuple's items are visited
+            elif defaults:
+                visit(defaults, depth + 1)
+            kwdefaults = getattr(obj, "__kwdefaults__", None)
+            if kwdefaults:
+                visit(kwdefaults, depth + 1)
             code, names = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
             if code is not None and isinstance(names, dict):  # the globals it names
                 for name in code.co_names:
