@@ -3,7 +3,7 @@
 Run on the GPU machine from the repository root, after ``. ci/gpu_env.sh`` (``bash
 ci/gpu_offline.sh TARGET ...`` does both)::
 
-    python3 ci/gpu_run.py --out DIR [--parallel] TARGET [TARGET ...]
+    python3 ci/gpu_run.py --out DIR [--parallel] [--limit SECONDS] TARGET [TARGET ...]
     python3 ci/gpu_run.py --out DIR STEP ...     # steps by name (a session to remake)
     python3 ci/gpu_run.py --list                 # the targets and their commands
     python3 ci/gpu_run.py --dry-run TARGET ...   # print the commands, run nothing
@@ -23,7 +23,9 @@ thing on a fresh machine. A step started beside others gets ``STACKFIX_GPU_SHARE
 killed and named in its record (``left_running``: every process carrying its
 ``STACKFIX_GPU_STEP`` mark), and a step run alone records the host's load when it started
 (``load_at_start``): a refresh whose timed sessions ran at twice their usual step times
-(9f4d346) could not say what else was running then. A step can be named in place of a target
+(9f4d346) could not say what else was running then. ``--limit`` is the device call's limit
+less its set-up: what still runs then is cut by the runner itself, which still writes its
+record (a call's own timeout killed the runner with its record, 6c0a6d9). A step can be named in place of a target
 (``--list`` names each). The device tool brings back at most 8 files: the runner says when a
 selection writes more.
 """
@@ -342,12 +344,16 @@ def _device_gib() -> float | None:
     return min(mib) / 1024 if mib else None
 
 
-def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None) -> list[dict]:
+def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None,
+         limit: float | None = None) -> list[dict]:
     """The steps one after another, or (``parallel``) those that run ``alone`` first, one at a
     time, then the others side by side, each started once what it holds (``Step.gib``) fits
     beside those running in ``DEVICE_SHARE`` of the card's ``gib`` (None: all at once); their
-    records in the order given."""
+    records in the order given. ``limit``: seconds from now by which every step has ended --
+    one still running then is cut there (its ``timeout`` ends at the limit: exit 124, and
+    ``cut`` says why), one not started by then is recorded as such."""
     records: dict[int, dict] = {}
+    deadline = None if limit is None else time.monotonic() + limit
     running = {}
     together = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
     alone = [i for i in range(len(steps)) if i not in together]
@@ -364,19 +370,32 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None)
                                     + "; ".join(left) + "\n")
                     records[j] = {**_record(step_j, proc_j.returncode, log_j, start_j),
                                   "left_running": left, **extra_j}
+                    if proc_j.returncode == 124 and extra_j.get("until_limit"):
+                        records[j]["cut"] = f"the call's limit (--limit {limit:g})"
+                    records[j].pop("until_limit", None)
                     del running[j]
                     return
             time.sleep(0.2)
 
     def start(i: int) -> None:
         step = steps[i]
+        seconds = step.timeout
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            records[i] = {**_record(step, None, None, time.monotonic()),
+                          "cut": "not started before the call's limit"}
+            return
+        if left is not None and left < seconds:
+            seconds = round(left, 1)
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
         env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
         if parallel and len(together) > 1 and i in together:
             env[SHARED_GPU] = str(len(together))
         env[STEP_MARK] = f"{os.getpid()}:{step.name}"  # inherited by all it starts
         extra = {"load_at_start": os.getloadavg()[0]} if i in alone else {}
-        proc = subprocess.Popen(["timeout", str(step.timeout), *step.argv], cwd=REPO,
+        if seconds != step.timeout:
+            extra["until_limit"] = True
+        proc = subprocess.Popen(["timeout", str(seconds), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
         running[i] = (step, proc, log, time.monotonic(), env[STEP_MARK], extra)
 
@@ -386,7 +405,8 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None)
 
     for i in alone if parallel else together:  # one at a time
         start(i)
-        reap()
+        if running:
+            reap()
     waiting = list(together) if parallel else []
     while waiting:  # the first that fits, in the order given; else wait for room
         i = next((i for i in waiting if fits(i)), None)
@@ -430,10 +450,13 @@ def _kill_left(mark: str) -> list[str]:
     return left
 
 
-def _record(step: Step, rc: int, log, start: float) -> dict:
-    log.close()
+def _record(step: Step, rc: int | None, log, start: float) -> dict:
+    """A step's record; ``rc`` None (and no ``log``): it never started."""
+    if log is not None:
+        log.close()
     seconds = round(time.monotonic() - start, 1)
-    print(f"{step.name}: exit {rc} in {seconds} s", flush=True)
+    print(f"{step.name}: " + ("not started" if rc is None else f"exit {rc} in {seconds} s"),
+          flush=True)
     return {"name": step.name, "argv": step.argv, "env": step.env, "timeout": step.timeout,
             "exit": rc, "seconds": seconds, "json": step.json}
 
@@ -442,6 +465,9 @@ def _fold_logs(records: list[dict], out: Path) -> None:
     """Each step's log into one ``steps.log``, in the order the steps were given."""
     with (out / "steps.log").open("w") as folded:
         for r in records:
+            if r["exit"] is None:
+                folded.write(f"===== {r['name']}: {r['cut']}: {' '.join(r['argv'])}\n\n")
+                continue
             log = out / f"{r['name']}.log"
             folded.write(f"===== {r['name']}: exit {r['exit']} in {r['seconds']} s: "
                          f"{' '.join(r['argv'])}\n")
@@ -458,9 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", action="store_true",
                    help="first the steps whose figures are times, one at a time; then every "
                    "other step at once")
+    p.add_argument("--limit", type=float, metavar="SECONDS",
+                   help="end every step by this many seconds from the start (the device "
+                   "call's limit less the set-up): a step still running is cut, one not "
+                   "started is recorded as such, and steps.log and run.json are still written")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--list", action="store_true", help="list the targets and their commands")
     args = p.parse_args(argv)
+    if args.limit is not None and not args.limit > 0:
+        p.error(f"--limit {args.limit:g}: seconds > 0")
     steps = _steps(args.out)
     if args.list:
         for name, target in steps.items():
@@ -487,11 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     gib = _device_gib() if args.parallel else None
-    records = _run(chosen, out, args.parallel, gib)
+    records = _run(chosen, out, args.parallel, gib, args.limit)
     _fold_logs(records, out)
     (out / "run.json").write_text(json.dumps(
         {"commit": _commit(), "started": started, "targets": args.targets,
-         "parallel": args.parallel, "device_gib": gib, "steps": records}, indent=1))
+         "parallel": args.parallel, "device_gib": gib, "limit_s": args.limit,
+         "steps": records}, indent=1))
     return 0 if all(r["exit"] == 0 for r in records) else 1
 
 

@@ -133,6 +133,44 @@ def test_the_refresh_times_fit_one_device_call():
     assert sum(s.timeout for s in steps) + 20 <= gpu_run.CALL_SECONDS
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-after-another", "parallel"])
+def test_the_calls_limit_cuts_the_steps_still_running_and_keeps_the_record(tmp_path,
+                                                                          monkeypatch, parallel):
+    # A refresh on a slower H100 host ran past the device call's limit (6c0a6d9: 585 s, two
+    # memory sessions still running): the call's timeout killed the runner, and with it the
+    # steps.log and run.json it writes at its end. Given --limit, the runner ends what still
+    # runs there itself and records each step: cut (exit 124) or never started.
+    steps = [gpu_run.Step("quick", ["sh", "-c", "echo quick"], 30),
+             gpu_run.Step("long", ["sh", "-c", "echo begun; sleep 60"], 90),
+             gpu_run.Step("after", ["sh", "-c", "echo after"], 30)]
+    if parallel:  # side by side, "after" waits for room beside "long" (the card's memory)
+        steps = [gpu_run.Step(s.name, s.argv, s.timeout, gib=6) for s in steps]
+        monkeypatch.setenv(gpu_run.DEVICE_GIB, "10")
+    monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
+    monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
+    monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setattr(gpu_run, "REPO", tmp_path)
+    argv = ["--out", str(tmp_path / "out"), "--limit", "3", "t"] + (
+        ["--parallel"] if parallel else [])
+    assert gpu_run.main(argv) == 1
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["limit_s"] == 3
+    quick, long, after = record["steps"]
+    assert quick["exit"] == 0 and "cut" not in quick
+    assert long["exit"] == 124 and long["cut"] == "the call's limit (--limit 3)"
+    assert 2 <= long["seconds"] < 30  # ended at the limit, not by its own 90 s
+    assert after["exit"] is None and after["cut"] == "not started before the call's limit"
+    log = (tmp_path / "out" / "steps.log").read_text()
+    assert "===== long: exit 124 in " in log and "begun" in log
+    assert "===== after: not started" in log
+
+
+def test_a_limit_that_is_no_positive_number_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_run.main(["--limit", "0", "repro"])
+    assert "--limit 0: seconds > 0" in capsys.readouterr().err
+
+
 def test_what_a_step_leaves_running_is_killed_when_it_ends_and_named_in_its_record(tmp_path,
                                                                                   monkeypatch):
     # A process a step started that outlives it (its own session: no process group reaches
