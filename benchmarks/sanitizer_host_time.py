@@ -154,14 +154,16 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
             calls = dict.fromkeys(names, 0)
             with recompute_sanitizer(values=v) as sanitizer:
                 step()  # entered, walked: the timed steps are a training run's
-                regions = sanitizer.regions
+                regions, recorded = sanitizer.regions, sanitizer._walks.recorded
                 with timed_stages(seconds, calls, split):
                     for _ in range(steps):
                         step()
                 regions = sanitizer.regions - regions
+                recorded = sanitizer._walks.recorded - recorded
             if regions == 0:
                 raise ValueError("sanitizer_host_time: the step ran no checkpointed region")
-            runs[v].append({"regions": regions, "seconds": seconds, "calls": calls})
+            runs[v].append({"regions": regions, "seconds": seconds, "calls": calls,
+                            "recorded": recorded})
     # ``ran`` records a region's modules only where no recent record of its identity is kept:
     # in sampled and none, none after the first step (``_reach.Walks.ran``); in all, each forward
     required = [s for s in STAGES if s != "ran" or "all" in runs]
@@ -177,7 +179,13 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
         totals = [sum(r["seconds"][s] for s in STAGES) / r["regions"] * 1e6 for r in rs]
         out[v] = {"regions_per_step": rs[0]["regions"] / steps,
                   "us_per_region": statistics.median(totals), "us_per_region_by_stage": per,
-                  "us_per_region_repeats": totals}
+                  "us_per_region_repeats": totals,
+                  # records of the modules a forward ran kept (``Walks.recorded``) per timed
+                  # region: the regions whose identity (``fixes.sanitize._ran.identity``) had
+                  # no recent record (in all, none with the same modules) -- each of them also
+                  # finds what its function reaches again
+                  "recorded_per_region": sum(r["recorded"] for r in rs)
+                  / sum(r["regions"] for r in rs)}
         if parts:
             out[v]["us_per_region_by_part"] = {
                 p: (statistics.median(r["seconds"][p] / r["regions"] * 1e6 for r in rs)
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             parts = ", ".join(f"{p} {'--' if us is None else f'{us:.0f}'}"
                               for p, us in m.get("us_per_region_by_part", {}).items())
             print(f"{text} layers={layers} values={v}: {m['us_per_region']:.0f} us/region "
-                  f"({m['regions_per_step']:.0f} regions/step; {stages})"
+                  f"({m['regions_per_step']:.0f} regions/step, "
+                  f"{m['recorded_per_region']:.2f} recorded; {stages})"
                   + (f"; parts: {parts}" if parts else ""), flush=True)
         del gpt, step  # this build goes before the next
         gc.collect()

@@ -40,6 +40,8 @@ def test_each_stage_is_timed_in_every_region_of_each_mode():
         assert timed == (set(sht.STAGES) if v == "all" else set(sht.STAGES) - {"ran"}), v
         assert len(figures["us_per_region_repeats"]) == 2
         assert figures["us_per_region"] > 0
+        # every identity's record (and in all, its plan) kept from the entering step
+        assert figures["recorded_per_region"] == 0, v
 
 
 class _Keeping(torch.nn.Linear):
