@@ -6,6 +6,7 @@ ci/gpu_offline.sh TARGET ...`` does both)::
     python3 ci/gpu_run.py --out DIR [--parallel] [--limit SECONDS] TARGET [TARGET ...]
     python3 ci/gpu_run.py --out DIR STEP ...     # steps by name (a session to remake)
     python3 ci/gpu_run.py --list                 # the targets and their commands
+    python3 ci/gpu_run.py --out DIR --parallel stale  # what the last changes left out of date
     python3 ci/gpu_run.py --dry-run TARGET ...   # print the commands, run nothing
 
 Every step's output goes into ``steps.log`` under ``--out`` (one section per step, headed by its
@@ -25,7 +26,11 @@ killed and named in its record (``left_running``: every process carrying its
 (``load_at_start``): a refresh whose timed sessions ran at twice their usual step times
 (9f4d346) could not say what else was running then. ``--limit`` is the device call's limit
 less its set-up: what still runs then is cut by the runner itself, which still writes its
-record (a call's own timeout killed the runner with its record, 6c0a6d9). A step can be named in place of a target
+record (a call's own timeout killed the runner with its record, 6c0a6d9). ``stale`` is the
+refresh's steps whose published figures (the newest GPU run of each scenario a step makes,
+``Step.scenarios``) are older than the code (``benchmarks._freshness``), or never published:
+after a change under ``fixes/sanitize/`` the sanitizers' sessions alone, not the whole refresh
+(529-589 s on an H100). A step can be named in place of a target
 (``--list`` names each). The device tool brings back at most 8 files: the runner says when a
 selection writes more.
 """
@@ -33,6 +38,7 @@ selection writes more.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -78,6 +84,8 @@ MEGATRON_TESTS = ".megatron-tests/core_v0.19.0"
 # context)
 STACK_FAMILIES = {"activation_checkpoint": 8, "backward_threads": 4, "output_discard": 26,
                   "reclaim": 2}
+# the scenario family of a stack benchmark file whose name is not its family's
+STACK_SCENARIOS = {"reclaim": "recompute-reclaim"}
 # a megatron-scale child's device memory by size (GiB; benchmarks._children: ~12 and ~4 on the
 # H200); a session sharing the GPU runs AT_ONCE of them together
 MEGATRON_CHILD_GIB = {"1024x2048": 4, "2048x4096": 12}
@@ -96,6 +104,9 @@ class Step:
     # starts only once it fits beside those running (the refresh's memory sessions held ~130
     # GiB together: on an 80 GB H100 NCCL's set-up ran out of memory in most megatron cells)
     gib: float = 0.0
+    # the published scenarios whose figures (or gate) it makes, as fnmatch patterns: the
+    # ``stale`` target chooses it where one of them is older than the code (``stale_steps``)
+    scenarios: tuple[str, ...] = ()
 
 
 def _cell_args(*cells: str) -> list[str]:
@@ -111,19 +122,20 @@ def _steps(out: str) -> dict[str, list[Step]]:
     sanitize = Step("bench-gpu-sanitize", [
         *PYTEST, "benchmarks/test_bench_sanitize.py", "-m", "gpu", "-p", "no:xdist", "-q",
         f"--benchmark-json={o('bench-gpu-sanitize.json')}"], 250, json="bench-gpu-sanitize.json",
-        alone=True)
+        alone=True, scenarios=("recompute-sanitizer/*", "sanitizers/plain-transformer-*"))
     # the megatron reclaim's 1% step-time gate, alone on the GPU: beside the memory sessions it
     # skips (SHARED_GPU), as a step time there measures the other sessions too
     steptime_gate = Step("bench-gpu-megatron-steptime-gate", [
         *PYTEST, "benchmarks/test_bench_megatron_scale.py", "-m", "gpu", "-k",
-        "step_time_within_one_percent", "-p", "no:xdist", "-q"], 240, alone=True)
+        "step_time_within_one_percent", "-p", "no:xdist", "-q"], 240, alone=True,
+        scenarios=tuple(f"megatron-scale/{m}/*" for m in ("moe", "moe-kept-probs", "gpt-mtp")))
     # the fused print's kernel times, alone: beside ten sessions its child's CPU reference print
     # did not end in 330 s (an H200 refresh at b6f7d12)
     fused = Step("bench-gpu-fused-print", [
         *PYTEST, "benchmarks/test_bench_fused_print.py", "-m", "gpu", "-p", "no:xdist", "-v",
         "-o", "faulthandler_timeout=60",
         f"--benchmark-json={o('bench-gpu-fused_print.json')}"], 90,
-        json="bench-gpu-fused_print.json", alone=True)
+        json="bench-gpu-fused_print.json", alone=True, scenarios=("sanitizers/fused-print-*",))
     # the benchmarks' memory sessions, side by side (their figures are per process)
     memory = [
         *(Step(f"bench-gpu-megatron-{model}-{size}", [
@@ -131,7 +143,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
             f"({select}) and {size}", "-p", "no:xdist", "-q",
             f"--benchmark-json={o(f'bench-gpu-megatron-{model}-{size}.json')}"],
             330, json=f"bench-gpu-megatron-{model}-{size}.json",
-            gib=MEGATRON_CHILD_GIB[size] * AT_ONCE)
+            gib=MEGATRON_CHILD_GIB[size] * AT_ONCE, scenarios=(f"megatron-scale/{model}/{size}/*",))
           for model, select in (("moe", "moe- and not kept and not ep2"),
                                 ("moe-kept-probs", "kept"), ("gpt-mtp", "gpt-mtp"))
           for size in ("1024x2048", "2048x4096")),
@@ -143,7 +155,7 @@ def _steps(out: str) -> dict[str, list[Step]]:
             *PYTEST, f"benchmarks/test_bench_{name}.py", "-m", "gpu", "-p", "no:xdist", "-v",
             "-o", "faulthandler_timeout=120",
             f"--benchmark-json={o(f'bench-gpu-{name}.json')}"], 330, json=f"bench-gpu-{name}.json",
-            gib=gib)
+            gib=gib, scenarios=(f"{STACK_SCENARIOS.get(name, name.replace('_', '-'))}/*",))
           for name, gib in STACK_FAMILIES.items()),
     ]
     return {
@@ -312,7 +324,37 @@ def _steps(out: str) -> dict[str, list[Step]]:
     }
 
 
-TARGETS = tuple(_steps("OUT"))
+# a target made at the call: the refresh's steps whose published figures are older than the
+# code (``stale_steps``), "whenever a measured path changes" at the cost of what changed
+STALE = "stale"
+TARGETS = (*_steps("OUT"), STALE)
+
+
+def stale_steps(steps: list[Step], latest: dict[str, str], stale) -> list[Step]:
+    """Of ``steps``, those with a scenario (``Step.scenarios``) whose newest published GPU run
+    (``latest``: scenario -> that run's commit) is older than the code its family measures
+    (``stale(commit, family)``), or none of whose scenarios any published run has."""
+    chosen = []
+    for step in steps:
+        made = [s for s in latest if any(fnmatch.fnmatchcase(s, p) for p in step.scenarios)]
+        if not made or any(stale(latest[s], s.split("/", 1)[0]) for s in made):
+            chosen.append(step)
+    return chosen
+
+
+def _stale_refresh(steps: dict[str, list[Step]]) -> list[Step]:
+    """``stale_steps`` of the refresh, from this checkout's published runs and git history."""
+    from benchmarks._freshness import History, freshness
+    from benchmarks._published import published_runs
+
+    latest: dict[str, str] = {}
+    for run in sorted(published_runs(), key=lambda r: r.datetime):
+        for row in run.rows:
+            if row.device_kind.startswith("gpu"):  # the newest on any card (the headline's)
+                latest[row.scenario] = run.commit
+    history = History()
+    return stale_steps(steps["refresh"], latest,
+                       lambda commit, family: freshness(commit, family, history).stale)
 
 
 def _commit() -> str:
@@ -498,9 +540,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, target in steps.items():
             for step in target:
                 print(f"{name}: {step.name}: {' '.join(step.argv)}")
+        print(f"{STALE}: the steps of refresh whose published figures are older than the code, "
+              "chosen at the call (--dry-run stale names them)")
         return 0
     # a step's own name selects that step alone (a session to remake, as a failed one)
     by_name = {s.name: [s] for target in steps.values() for s in target}
+    if STALE in args.targets:
+        steps[STALE] = _stale_refresh(steps)
+        if not steps[STALE] and args.targets == [STALE]:
+            print("nothing older than the code")
+            return 0
     unknown = [t for t in args.targets if t not in steps and t not in by_name]
     if unknown or not args.targets:
         p.error(f"{'unknown target(s) ' + ', '.join(unknown) if unknown else 'no target'}; "

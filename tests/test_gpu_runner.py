@@ -260,3 +260,47 @@ def test_the_sanitizers_gpu_tests_are_a_target_beside_their_figures():
                 if "mark.gpu" in p.read_text()}
     assert files == with_gpu and len(files) >= 4
     assert "gpu" in tests.argv and not tests.alone
+
+
+def test_stale_selects_the_refresh_steps_whose_published_figures_are_older_than_the_code():
+    # Run the refresh "whenever a measured path changes": all of it took 529-589 s on an H100
+    # where a change under fixes/sanitize/ makes only the sanitizers' two sessions older than
+    # the code. A step is chosen where a scenario it makes is older than the code in its
+    # newest published GPU run, or where no published run has any of its scenarios.
+    refresh = gpu_run._steps("OUT")["refresh"]
+    latest = {  # scenario -> the commit of its newest published GPU run
+        "recompute-sanitizer/megatron-moe-1024x2048-bf16": "old",
+        "sanitizers/plain-transformer-full-ac": "new",
+        "sanitizers/fused-print-moe-layer-1024x2048-bf16": "old",
+        "megatron-scale/moe/1024x2048/bf16": "new",
+        "megatron-scale/moe/2048x4096/fp32": "old",
+        "megatron-scale/moe-ep2/1024x2048/bf16": "old",  # two GPUs: no step of the refresh
+        "megatron-scale/gpt-mtp/1024x2048/bf16": "new",
+        "megatron-scale/gpt-mtp/2048x4096/bf16": "new",
+        "megatron-scale/moe-kept-probs/1024x2048/bf16": "new",
+        "megatron-scale/moe-kept-probs/2048x4096/bf16": "new",
+        "activation-checkpoint/plain-transformer": "new",
+        "backward-threads/plain-transformer-full-ac": "new",
+        "output-discard/stack": "new",
+        "recompute-reclaim/plain": "new",
+    }
+    chosen = gpu_run.stale_steps(refresh, latest, lambda commit, family: commit == "old")
+    assert [s.name for s in chosen] == [  # in the refresh's order (--parallel: times first)
+        "bench-gpu-megatron-moe-2048x4096", "bench-gpu-sanitize",
+        "bench-gpu-megatron-steptime-gate", "bench-gpu-fused-print"]
+    # nothing older: nothing chosen; a step none of whose scenarios was ever published: chosen
+    assert gpu_run.stale_steps(refresh, latest, lambda commit, family: False) == []
+    del latest["backward-threads/plain-transformer-full-ac"]
+    assert [s.name for s in gpu_run.stale_steps(refresh, latest, lambda c, f: False)] == [
+        "bench-gpu-backward-threads"]
+    # every step of the refresh says which scenarios it makes
+    assert all(s.scenarios for s in refresh)
+
+
+def test_the_stale_target_reads_this_checkouts_published_runs(capsys):
+    # at whatever HEAD this runs: the steps chosen are steps of the refresh, each once
+    assert gpu_run.main(["--dry-run", "--out", "X", "stale"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    refresh = [" ".join(s.argv) for s in gpu_run._steps("X")["refresh"]]
+    assert printed == ["nothing older than the code"] or (
+        len(set(printed)) == len(printed) and set(printed) <= set(refresh)), printed
