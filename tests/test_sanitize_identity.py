@@ -152,3 +152,83 @@ def test_a_tensor_put_into_the_closures_container_is_still_reached(values):
             for _ in range(2):  # ``all`` names the line on the region's next recompute
                 layer(torch.randn(4, 8, requires_grad=True), False,
                       {"scale": scale}).sum().backward()
+
+
+def _holder(kind: str, lin: torch.nn.Module):
+    """A region function holding a small container of plain values (the identity reads it by
+    value) and a way to put a tensor into it after the checkpoint call: the function writes
+    that tensor (its recompute writes it again: a write outside the region)."""
+    if kind == "list in a cell":
+        stash = []
+
+        def f(h):
+            if stash:
+                stash[0].add_(1)
+            return torch.tanh(lin(h))
+
+        return f, stash.append
+    if kind == "dict in a cell":
+        extra = {"window": 4}
+
+        def f(h):
+            if "scale" in extra:
+                extra["scale"].add_(1)
+            return torch.tanh(lin(h)) * extra["window"]
+
+        return f, lambda t: extra.__setitem__("scale", t)
+    if kind == "list in a tuple":
+        inner = [1]
+        box = (inner, "x")
+
+        def f(h):
+            if isinstance(box[0][-1], torch.Tensor):
+                box[0][-1].add_(1)
+            return torch.tanh(lin(h))
+
+        return f, inner.append
+    if kind == "default argument":
+        stash = []
+
+        def f(h, stash=stash):
+            if stash:
+                stash[0].add_(1)
+            return torch.tanh(lin(h))
+
+        return f, stash.append
+    held = None  # "a cell rebound" (nonlocal), beside a dict the identity reads by value
+    extra = {}
+
+    def f(h):
+        extra.get("x")
+        if held is not None:
+            held.add_(1)
+        return torch.tanh(lin(h))
+
+    def rebind(t):
+        nonlocal held
+        held = t
+
+    return f, rebind
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("values", ["all", "sampled", "none"])
+@pytest.mark.parametrize("kind", ["list in a cell", "dict in a cell", "list in a tuple",
+                                  "default argument", "a cell rebound"])
+def test_a_tensor_the_function_comes_to_hold_after_its_call_is_still_reached(
+        kind, values, reentrant):
+    """The identity is read at the checkpoint call; what the function reaches is found at its
+    recompute. Where the function's closure changed in between -- a tensor put into a
+    container the identity read by value, a cell rebound -- the region is not its call's
+    identity at the recompute: what it reaches is found again, not taken from the identity's
+    plan (a review of 912530d: the plan, made while the container held plain values, missed
+    the tensor put in later, in every mode, where 912530d^ found it again each recompute)."""
+    lin = torch.nn.Linear(8, 8)
+    counter = torch.zeros(())
+    with pytest.raises(RecomputeMismatchError), recompute_sanitizer(values=values):
+        for step in range(6):
+            f, put = _holder(kind, lin)
+            y = checkpoint(f, torch.randn(4, 8, requires_grad=True), use_reentrant=reentrant)
+            if step >= 2:
+                put(counter)  # after the call, before the backward's recompute
+            y.sum().backward()

@@ -61,7 +61,7 @@ from fixes.sanitize import _fingerprint as fp
 from fixes.sanitize import _fused, _intended
 from fixes.sanitize._callsite import describe_site
 from fixes.sanitize._errors import Verdict
-from fixes.sanitize._ran import ModulesRun
+from fixes.sanitize._ran import ModulesRun, function_identity
 from fixes.sanitize._reach import _CALL, Reached, State, Walks, reached, tensor_name
 
 __all__ = ["Detection", "Watch"]
@@ -224,7 +224,15 @@ class Watch:
         roots = self._live_roots()
         if self._walks is None:
             return reached(roots, self.ran())
-        return self._walks.reach(roots, self._fresh, self.ran, self._ran_key, self._ran)
+        key = self._ran_key  # (call site, position, ``identity(fn, args)``), read at the call
+        # What it reaches is found at the recompute. Where the function's closure changed
+        # since its call -- a cell rebound, a tensor put into a container the identity read by
+        # value -- it is not that identity now: found again, not taken from the identity's
+        # plan or argument slots (a review of 912530d: a tensor put into the closure's list
+        # after the call was missed in every mode)
+        if key is not None and (not roots or function_identity(roots[0]) != key[2][0]):
+            key = None
+        return self._walks.reach(roots, self._fresh, self.ran, key, self._ran)
 
     def _new_state(self) -> State | None:
         """What it reaches, as the recompute about to run finds it; None where finding it

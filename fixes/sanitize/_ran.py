@@ -41,7 +41,7 @@ import types
 
 import torch
 
-__all__ = ["ModulesRun", "by_value", "frozen", "identity"]
+__all__ = ["ModulesRun", "by_value", "frozen", "function_identity", "identity"]
 
 _VALUES = (type(None), bool, int, float, str, bytes)  # compared by value, not by object
 _CONTAINERS = (list, tuple, dict)  # exactly these types, not subclasses
@@ -111,6 +111,16 @@ def identity(fn, args=(), kwargs=None) -> tuple:
     (``_reach.Walks.ran``); where that is wrong, what the region reaches is narrowed to
     another region's modules -- writes outside the region missed, none invented -- for at most
     ``REWALK_ROUNDS`` rounds."""
+    key = function_identity(fn)
+    plain = tuple((type(a), a) for a in args if type(a) in _VALUES)
+    if kwargs:
+        plain += tuple((k, type(v), v) for k, v in kwargs.items() if type(v) in _VALUES)
+    return key, plain
+
+
+def function_identity(fn) -> object:
+    """``identity``'s part that is the function's own (``identity(fn, args)[0]``): read again
+    at the recompute, it tells whether the function's closure changed since its call."""
     if isinstance(fn, types.MethodType):
         key = (id(fn.__func__), id(fn.__self__))
     elif isinstance(fn, types.FunctionType):
@@ -121,10 +131,7 @@ def identity(fn, args=(), kwargs=None) -> tuple:
                tuple((k, _part(v)) for k, v in fn.keywords.items()))
     else:
         key = id(fn)
-    plain = tuple((type(a), a) for a in args if type(a) in _VALUES)
-    if kwargs:
-        plain += tuple((k, type(v), v) for k, v in kwargs.items() if type(v) in _VALUES)
-    return key, plain
+    return key
 
 
 class ModulesRun:
