@@ -343,15 +343,16 @@ def stale_steps(steps: list[Step], latest: dict[str, str], stale) -> list[Step]:
 
 
 def _stale_refresh(steps: dict[str, list[Step]]) -> list[Step]:
-    """``stale_steps`` of the refresh, from this checkout's published runs and git history."""
+    """``stale_steps`` of the refresh, from this checkout's published runs and git history: of
+    each scenario, the run the dashboard and the headline show as current (the newest GPU
+    card's latest, ``benchmarks._views.current_gpu_view``)."""
     from benchmarks._freshness import History, freshness
     from benchmarks._published import published_runs
+    from benchmarks._views import committed_runs, current_gpu_view, is_gpu, scenario_views
 
-    latest: dict[str, str] = {}
-    for run in sorted(published_runs(), key=lambda r: r.datetime):
-        for row in run.rows:
-            if row.device_kind.startswith("gpu"):  # the newest on any card (the headline's)
-                latest[row.scenario] = run.commit
+    views = scenario_views(committed_runs(published_runs())[0])
+    latest = {v.scenario: current_gpu_view(views, v.scenario).latest.run.commit
+              for v in views if is_gpu(v.kind)}
     history = History()
     return stale_steps(steps["refresh"], latest,
                        lambda commit, family: freshness(commit, family, history).stale)
