@@ -154,12 +154,12 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
             calls = dict.fromkeys(names, 0)
             with recompute_sanitizer(values=v) as sanitizer:
                 step()  # entered, walked: the timed steps are a training run's
-                regions, recorded = sanitizer.regions, sanitizer._walks.recorded
+                regions, recorded = sanitizer.regions, sanitizer.modules_recorded
                 with timed_stages(seconds, calls, split):
                     for _ in range(steps):
                         step()
                 regions = sanitizer.regions - regions
-                recorded = sanitizer._walks.recorded - recorded
+                recorded = sanitizer.modules_recorded - recorded
             if regions == 0:
                 raise ValueError("sanitizer_host_time: the step ran no checkpointed region")
             runs[v].append({"regions": regions, "seconds": seconds, "calls": calls,
@@ -180,7 +180,7 @@ def host_time(step: Callable[[], object], values: tuple[str, ...] = VALUES, step
         out[v] = {"regions_per_step": rs[0]["regions"] / steps,
                   "us_per_region": statistics.median(totals), "us_per_region_by_stage": per,
                   "us_per_region_repeats": totals,
-                  # records of the modules a forward ran kept (``Walks.recorded``) per timed
+                  # records of the modules a forward ran kept (``modules_recorded``) per timed
                   # region: the regions whose identity (``fixes.sanitize._ran.identity``) had
                   # no recent record (in all, none with the same modules) -- each of them also
                   # finds what its function reaches again

@@ -147,6 +147,13 @@ class RecomputeSanitizer:
         holds; ``all`` checks it once a step per set of modules)."""
         return self._walks.walked
 
+    @property
+    def modules_recorded(self) -> int:
+        """Records of the modules a region's forward ran, kept (``_reach.Walks.ran``): in
+        ``sampled`` and ``none`` one per region whose identity had no recent record; in
+        ``all``, those a plan was made from."""
+        return self._walks.recorded
+
     def region(self, kind: str, fn, opaque: bool = False, reentrant: bool = True,
                roots: list | None = None, args: tuple | None = None,
                kwargs: dict | None = None) -> Watch | Region:
