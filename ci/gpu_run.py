@@ -397,6 +397,7 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None,
     ``cut`` says why), one not started by then is recorded as such."""
     records: dict[int, dict] = {}
     deadline = None if limit is None else time.monotonic() + limit
+    until_limit: set[int] = set()  # steps whose timeout was cut to the limit
     running = {}
     together = [i for i, s in enumerate(steps) if not (parallel and s.alone)]
     alone = [i for i in range(len(steps)) if i not in together]
@@ -413,9 +414,8 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None,
                                     + "; ".join(left) + "\n")
                     records[j] = {**_record(step_j, proc_j.returncode, log_j, start_j),
                                   "left_running": left, **extra_j}
-                    if proc_j.returncode == 124 and extra_j.get("until_limit"):
+                    if proc_j.returncode == 124 and j in until_limit:
                         records[j]["cut"] = f"the call's limit (--limit {limit:g})"
-                    records[j].pop("until_limit", None)
                     del running[j]
                     return
             time.sleep(0.2)
@@ -437,7 +437,7 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None,
         env[STEP_MARK] = f"{os.getpid()}:{step.name}"  # inherited by all it starts
         extra = {"load_at_start": os.getloadavg()[0]} if i in alone else {}
         if seconds != step.timeout:
-            extra["until_limit"] = True
+            until_limit.add(i)
         proc = subprocess.Popen(["timeout", str(seconds), *step.argv], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, env={**env, **step.env})
         running[i] = (step, proc, log, time.monotonic(), env[STEP_MARK], extra)
