@@ -429,7 +429,7 @@ def _run(steps: list[Step], out: Path, parallel: bool, gib: float | None = None,
                           "cut": "not started before the call's limit"}
             return
         if left is not None and left < seconds:
-            seconds = round(left, 1)
+            seconds = max(round(left, 1), 0.1)  # ``timeout 0`` would set no limit at all
         log = (out / f"{step.name}.log").open("w")  # folded into steps.log at the end
         env = {k: v for k, v in os.environ.items() if k != SHARED_GPU}
         if parallel and len(together) > 1 and i in together:

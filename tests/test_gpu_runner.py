@@ -165,6 +165,20 @@ def test_the_calls_limit_cuts_the_steps_still_running_and_keeps_the_record(tmp_p
     assert "===== after: not started" in log
 
 
+def test_a_limit_left_under_a_tenth_of_a_second_still_bounds_the_step(tmp_path, monkeypatch):
+    # What is left of the limit, rounded to 0.1 s, was 0.0 under 0.05 s; `timeout 0` runs its
+    # command with no time limit at all
+    steps = [gpu_run.Step("long", ["sh", "-c", "sleep 20"], 90)]
+    monkeypatch.setattr(gpu_run, "_steps", lambda out: {"t": steps})
+    monkeypatch.setattr(gpu_run, "TARGETS", ("t",))
+    monkeypatch.setenv("STACKFIX_COMMIT", "abc123")
+    monkeypatch.setattr(gpu_run, "REPO", tmp_path)
+    assert gpu_run.main(["--out", str(tmp_path / "out"), "--limit", "0.01", "t"]) == 1
+    (long,) = json.loads((tmp_path / "out" / "run.json").read_text())["steps"]
+    assert long["exit"] == 124 and long["cut"] == "the call's limit (--limit 0.01)"
+    assert long["seconds"] < 10  # cut, not run out by its 20 s sleep
+
+
 def test_a_limit_that_is_no_positive_number_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_run.main(["--limit", "0", "repro"])
